@@ -1,0 +1,78 @@
+"""The storage interface every secondary tier implements (modelled on zarr-python v3's ``Store``).
+
+A backend stores opaque objects under chunk keys. It knows nothing of layouts or codecs: the
+:class:`kvstore.tier.ChunkTier` above it encodes chunks into containers and checks them on
+the way back. Methods are async; blocking work goes to threads via ``in_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import ClassVar
+
+from kvstore.buffers import Buffer, as_bytes_view
+
+ByteRange = tuple[int, int]
+"""Half-open ``(start, end)`` byte range of an object."""
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    supports_partial_reads: ClassVar[bool] = True
+    exists_is_cheap: ClassVar[bool] = False  # True when exists() needs no network round trip
+
+    async def open(self) -> None:
+        """Connect, create directories, rebuild indexes."""
+
+    async def close(self) -> None:
+        """Release connections; must return promptly."""
+
+    @abstractmethod
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
+        """The object's bytes (or a range of them), None if absent."""
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
+        """Read the object's leading bytes into ``buffers`` in order; returns the object's size.
+
+        Backends that can scatter-read into caller memory override this to skip a copy.
+        """
+        data = await self.get(key)
+        if data is None:
+            return None
+        view, position = as_bytes_view(data), 0
+        for buffer in buffers:
+            part = view[position : position + len(buffer)]
+            buffer[: len(part)] = part
+            position += len(part)
+        return len(view)
+
+    @abstractmethod
+    async def set(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` atomically: readers see all of it or nothing."""
+
+    @abstractmethod
+    async def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove the object; absent objects are not an error."""
+
+    @abstractmethod
+    def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
+        """Every stored key starting with ``prefix``, in no particular order."""
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return list(await asyncio.gather(*(self.get(key) for key in keys)))
+
+    async def prefix_count(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` exist. Remote backends override this with fewer requests."""
+        for count, key in enumerate(keys):
+            if not await self.exists(key):
+                return count
+        return len(keys)
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Backend-specific figures (bytes used, objects held) merged into the tier's stats."""
+        return {}

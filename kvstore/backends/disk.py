@@ -1,0 +1,311 @@
+"""Local disk (NVMe) tier: one file per chunk, atomic, private, bounded, and restart-proof.
+
+- Files live at ``root/ab/cd/<key>.kvc`` (two levels of 256 directories keep listings small).
+- A write goes to a private temporary name, then ``os.replace`` puts it in place: a reader,
+  in this process or another one sharing the directory, sees a whole file or none.
+- Files are created 0600 and directories 0700: KV caches reveal prompts.
+- A byte budget is kept with an LRU index rebuilt by scanning at start, ordered by mtime;
+  a hit refreshes the file's mtime so the order survives restarts.
+- Another process's files are found on the file system even when this index lacks them;
+  files it deletes become misses here. The filesystem is the truth, the index a cache of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Executor
+from pathlib import Path
+
+from kvstore.backends.base import Backend, ByteRange
+from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.threads import in_thread
+
+log = logging.getLogger("kvstore.disk")
+
+SUFFIX = ".kvc"
+_TMP_MARK = ".tmp-"
+_KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+STALE_TMP_SECONDS = 600.0
+
+
+class DiskBackend(Backend):
+    name = "disk"
+    exists_is_cheap = True
+
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False, executor: Executor | None = None):
+        self.root = Path(root).expanduser()
+        self.capacity_bytes = int(capacity_bytes)
+        self.fsync = fsync
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recent first
+        self._used = 0
+        self._made_dirs: set[Path] = set()
+        self.evictions = 0
+
+    # -- paths -------------------------------------------------------------------------------
+
+    def path_for(self, key: str) -> Path:
+        if not _KEY_PATTERN.fullmatch(key):
+            raise ValueError(f"disk keys are 8-128 lowercase hex characters, got {key!r}")
+        return self.root / key[:2] / key[2:4] / (key + SUFFIX)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        await in_thread(self._executor, self._scan)
+
+    def _scan(self) -> None:
+        """Rebuild the LRU index from the files present, oldest first; sweep stale temporaries."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for path, stat in _walk_files(self.root):
+            name = path.name
+            if _TMP_MARK in name:
+                if now - stat.st_mtime > STALE_TMP_SECONDS:  # left by a writer that died
+                    _unlink_quietly(path)
+                continue
+            if name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
+                found.append((stat.st_mtime, name[: -len(SUFFIX)], stat.st_size))
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((key, size) for _, key, size in found)
+            self._used = sum(size for _, _, size in found)
+        log.info("disk tier %s: %d chunk files, %.1f MiB, budget %.1f MiB", self.root, len(found), self._used / 2**20, self.capacity_bytes / 2**20)
+        self._evict_to(self.capacity_bytes, keep=None)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
+        return await in_thread(self._executor, self._read, key, byte_range)
+
+    def _read(self, key: str, byte_range: ByteRange | None) -> bytes | None:
+        try:
+            with open(self.path_for(key), "rb", buffering=0) as file:
+                if byte_range is None:
+                    data = file.read()
+                else:
+                    start, end = byte_range
+                    file.seek(start)
+                    data = file.read(max(0, end - start))
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        self._touch(key, len(data) if byte_range is None else None)
+        return data
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
+        return await in_thread(self._executor, self.read_into, key, buffers)
+
+    def read_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
+        """Scatter-read the file's leading bytes straight into ``buffers`` (one ``preadv``); its size."""
+        try:
+            fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            _read_fully(fd, [as_bytes_view(b) for b in buffers], limit=size)
+        finally:
+            os.close(fd)
+        self._touch(key, size)
+        return size
+
+    async def exists(self, key: str) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        return await in_thread(self._executor, self._exists_on_disk, key)
+
+    def _exists_on_disk(self, key: str) -> bool:
+        try:
+            size = self.path_for(key).stat().st_size
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        self._remember(key, size)
+        return True
+
+    async def prefix_count(self, keys: Sequence[str]) -> int:
+        return await in_thread(self._executor, self._prefix_count, keys)
+
+    def _prefix_count(self, keys: Sequence[str]) -> int:
+        for count, key in enumerate(keys):
+            # The index may be stale (another process evicted the file): check the file itself.
+            if not self._exists_on_disk(key):
+                return count
+        return len(keys)
+
+    def holds(self, key: str) -> bool:
+        """Whether this process has seen the file (no I/O): used to skip rewriting a chunk."""
+        with self._lock:
+            return key in self._index
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def set(self, key: str, parts: Sequence[Buffer]) -> None:
+        await in_thread(self._executor, self.write, key, parts)
+
+    def write(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Write to a private temporary file, optionally fsync, then rename into place."""
+        final = self.path_for(key)
+        views = [as_bytes_view(part) for part in parts]
+        size = sum(len(v) for v in views)
+        if size > self.capacity_bytes:
+            raise OSError(errno.EFBIG, f"a {size}-byte chunk exceeds disk.capacity ({self.capacity_bytes} bytes)")
+        self._ensure_dir(final.parent)
+        temporary = final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _write_fully(fd, views)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(temporary)
+            raise
+        os.close(fd)
+        try:
+            os.replace(temporary, final)
+        except BaseException:
+            _unlink_quietly(temporary)
+            raise
+        self._remember(key, size)
+        self._evict_to(self.capacity_bytes, keep=key)
+
+    def _ensure_dir(self, directory: Path) -> None:
+        if directory not in self._made_dirs:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._made_dirs.add(directory)
+
+    async def delete(self, key: str) -> None:
+        await in_thread(self._executor, self._delete, key)
+
+    def _delete(self, key: str) -> None:
+        _unlink_quietly(self.path_for(key))
+        self._forget(key)
+
+    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
+        paths = await in_thread(self._executor, lambda: [p for p, _ in _walk_files(self.root)])
+        for path in paths:
+            name = path.name
+            if name.endswith(SUFFIX) and _TMP_MARK not in name and name.startswith(prefix):
+                yield name[: -len(SUFFIX)]
+
+    # -- index and budget --------------------------------------------------------------------
+
+    def _remember(self, key: str, size: int) -> None:
+        with self._lock:
+            self._used += size - self._index.pop(key, 0)
+            self._index[key] = size
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._used -= self._index.pop(key, 0)
+
+    def _touch(self, key: str, size: int | None) -> None:
+        """Mark a hit: most recent in the index and, for the next start, on disk."""
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            elif size is not None:
+                self._index[key] = size
+                self._used += size
+        try:
+            os.utime(self.path_for(key))
+        except OSError:
+            pass
+
+    def _evict_to(self, budget: int, keep: str | None) -> None:
+        while True:
+            with self._lock:
+                if self._used <= budget:
+                    return
+                victim = next((k for k in self._index if k != keep), None)
+                if victim is None:
+                    return
+                self._used -= self._index.pop(victim)
+                self.evictions += 1
+            _unlink_quietly(self.path_for(victim))
+
+    def stats(self) -> dict[str, int | float | str]:
+        with self._lock:
+            return {"files": len(self._index), "bytes_used": self._used, "capacity": self.capacity_bytes, "evictions": self.evictions}
+
+
+def _walk_files(root: Path) -> list[tuple[Path, os.stat_result]]:
+    """Every file two directory levels below ``root`` (the shard layout), with its stat."""
+    found: list[tuple[Path, os.stat_result]] = []
+    for top in _scandir_quietly(root):
+        if not top.is_dir(follow_symlinks=False):
+            continue
+        for middle in _scandir_quietly(Path(top.path)):
+            if not middle.is_dir(follow_symlinks=False):
+                continue
+            for entry in _scandir_quietly(Path(middle.path)):
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        found.append((Path(entry.path), entry.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue  # removed by another process while we looked
+    return found
+
+
+def _scandir_quietly(directory: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _advance(pending: list[memoryview], done: int) -> None:
+    """Drop ``done`` bytes from the front of a list of buffers (after a short readv/writev)."""
+    while done and pending:
+        if done >= len(pending[0]):
+            done -= len(pending.pop(0))
+        else:
+            pending[0] = pending[0][done:]
+            done = 0
+
+
+def _write_fully(fd: int, views: list[memoryview]) -> None:
+    pending = [v for v in views if len(v)]
+    while pending:
+        _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
+
+
+def _read_fully(fd: int, views: list[memoryview], limit: int) -> None:
+    """Fill ``views`` in order from offset 0, stopping at ``limit`` bytes (the file size)."""
+    pending, offset = [], 0
+    for view in views:
+        take = min(len(view), limit - offset)
+        if take <= 0:
+            break
+        pending.append(view[:take])
+        offset += take
+    position = 0
+    while pending:
+        got = os.preadv(fd, pending[:_IOV_MAX], position)
+        if got == 0:
+            raise OSError(errno.EIO, "file shrank while being read")
+        position += got
+        _advance(pending, got)

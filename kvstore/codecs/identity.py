@@ -1,0 +1,17 @@
+"""No compression: the disk tier's default, where read bandwidth beats saving space."""
+
+from __future__ import annotations
+
+
+from kvstore.buffers import Buffer
+from kvstore.codecs.base import Codec, SegmentSpec
+
+
+class IdentityCodec(Codec):
+    name = "identity"
+
+    def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        return data
+
+    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        return data

@@ -1,0 +1,51 @@
+"""zstd: a general-purpose compressor; ~1.27x on raw bf16, better after byte-split or fp8."""
+
+from __future__ import annotations
+
+import threading
+
+import zstandard
+
+from kvstore.buffers import Buffer
+from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+
+
+class ZstdCodec(Codec):
+    name = "zstd"
+    default_level = 1
+
+    def __init__(self, level: int | None = None) -> None:
+        super().__init__(level)
+        if not -7 <= self.level <= 22:
+            raise ValueError(f"zstd level must be between -7 and 22, got {self.level}")
+        # zstandard's (de)compressor objects are not thread-safe: one per worker thread.
+        self._local = threading.local()
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
+        return compressor
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        decompressor = getattr(self._local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+        return decompressor
+
+    def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        return self._compressor().compress(data)
+
+    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        return zstd_decompress(self._decompressor(), data, spec.decode_limit)
+
+
+def zstd_decompress(decompressor: zstandard.ZstdDecompressor, data: Buffer, limit: int) -> bytes:
+    """Decompress one frame whose declared size is at most ``limit``; anything else is a CodecError."""
+    try:
+        size = zstandard.frame_content_size(data)
+        if size < 0 or size > limit:
+            raise CodecError(f"zstd frame declares {size} bytes (limit {limit})")
+        return decompressor.decompress(data, max_output_size=limit)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd: {exc}") from exc

@@ -1,0 +1,167 @@
+"""Store configuration: keyword arguments > ``KVSTORE_*`` environment > TOML file > defaults.
+
+Nested keys use ``__`` in the environment (``KVSTORE_DRAM__CAPACITY=8GiB``) and tables in
+TOML (``[dram] capacity = "8GiB"``). ``KVSTORE_CONFIG`` names a TOML file to read. A wrong or
+unknown key fails at start with a :class:`ConfigError` naming the key and what is valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from kvstore.codecs import make_codec
+
+ENV_PREFIX = "KVSTORE_"
+CONFIG_FILE_ENV = "KVSTORE_CONFIG"
+_toml_file: ContextVar[Path | None] = ContextVar("kvstore_toml_file", default=None)
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message says which and how to fix it."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DramConfig(_Section):
+    capacity: ByteSize = Field(ByteSize(1 << 30), description="bytes of the DRAM slab pool, e.g. '4GiB'")
+    pin_memory: Literal["auto", "always", "never"] = Field(
+        "auto", description="pin the pool (page-locked) when CUDA is present ('auto'), always, or never"
+    )
+
+
+class DiskConfig(_Section):
+    enabled: bool = True
+    path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
+    capacity: ByteSize = Field(ByteSize(16 << 30), description="byte budget; least recently used files go first")
+    codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'bytesplit'")
+    fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
+
+    @field_validator("codec")
+    @classmethod
+    def _valid_codec(cls, value: str) -> str:
+        make_codec(value)  # raises ValueError listing the valid stages
+        return value
+
+
+class TimeoutConfig(_Section):
+    get: float = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
+    put: float = Field(30.0, gt=0, description="seconds a tier may take to write one chunk before it counts as an error")
+    close: float = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
+
+
+class StoreConfig(BaseSettings):
+    """Everything a :class:`kvstore.KVStore` needs besides the model layout."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    dram: DramConfig = Field(default_factory=DramConfig)
+    disk: DiskConfig = Field(default_factory=DiskConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")
+    tier_workers: int = Field(2, ge=1, le=64, description="concurrent writes per secondary tier")
+    io_threads: int = Field(4, ge=1, le=256, description="threads for file I/O and codecs")
+
+    def __init__(self, **values: Any) -> None:
+        _reject_unknown_env()
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, type(self))) from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> StoreConfig:
+        """Read a TOML file (``path`` or ``$KVSTORE_CONFIG``), then the environment, then ``overrides``."""
+        file = path if path is not None else os.environ.get(CONFIG_FILE_ENV)
+        toml_path = Path(file).expanduser() if file else None
+        if toml_path is not None and not toml_path.is_file():
+            raise ConfigError(f"config file {toml_path} does not exist (from {'path' if path else CONFIG_FILE_ENV})")
+        token = _toml_file.set(toml_path)
+        try:
+            return cls(**overrides)
+        finally:
+            _toml_file.reset(token)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_path = _toml_file.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        return tuple(sources)
+
+
+def _known_paths(model: type[BaseModel], prefix: str = "") -> dict[str, type[BaseModel] | None]:
+    """Dotted key -> sub-model (for sections) or None (for leaves)."""
+    paths: dict[str, type[BaseModel] | None] = {}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        paths[prefix + name] = annotation if is_section else None
+        if is_section:
+            paths.update(_known_paths(annotation, f"{prefix}{name}."))
+    return paths
+
+
+def _reject_unknown_env() -> None:
+    """pydantic-settings ignores unknown ``KVSTORE_*`` variables; a typo there should not pass silently."""
+    known = {path.replace(".", "__").upper() for path in _known_paths(StoreConfig)}
+    for name in os.environ:
+        if name.startswith(ENV_PREFIX) and name != CONFIG_FILE_ENV:
+            rest = name[len(ENV_PREFIX) :]
+            if rest not in known:
+                hint = difflib.get_close_matches(rest, sorted(known), n=1)
+                fix = f"did you mean {ENV_PREFIX}{hint[0]}?" if hint else f"valid: {sorted(known)}"
+                raise ConfigError(f"unknown environment variable {name}: {fix}")
+
+
+def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
+    """One line per problem: the dotted key, what was wrong, and what would be valid."""
+    paths = _known_paths(model)
+    lines = ["invalid kvstore configuration:"]
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            parent = key.rpartition(".")[0]
+            siblings = sorted(p for p in paths if p.rpartition(".")[0] == parent)
+            hint = difflib.get_close_matches(key, siblings, n=1)
+            fix = f"did you mean '{hint[0]}'?" if hint else f"valid keys here: {', '.join(siblings)}"
+            lines.append(f"  {key}: unknown key; {fix}")
+            continue
+        message = error["msg"].removeprefix("Value error, ")
+        description = _description(model, error["loc"])
+        lines.append(f"  {key} = {error.get('input')!r}: {message}" + (f" ({description})" if description else ""))
+    return "\n".join(lines)
+
+
+def _description(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+    current: Any = model
+    field = None
+    for part in loc:
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return None
+        field = fields[part]
+        current = field.annotation
+    return field.description if field else None

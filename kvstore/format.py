@@ -1,0 +1,207 @@
+"""The chunk container: one object or file per chunk, every byte checked before use.
+
+Layout (little-endian)::
+
+    fixed part   magic "KVSTCHNK", version u16, flags u16, header_len u32,
+                 layout fingerprint 16s, key 32s, token_count u32, num_layers u32,
+                 codec name length u16, codec name (ASCII)
+    segment table  num_layers x (offset u64, stored_len u64, raw_len u64, xxh3-64 u64)
+    header checksum  xxh3-64 of everything above, u64
+    segments     one per layer, in layer order, each encoded on its own
+
+Segment offsets count from the end of the header, so layer ``i`` is one byte-range read
+(``header_len + offset``) and decodes alone: remote tiers can stream layer by layer. The
+checksum covers the stored bytes, so corruption is caught before a decoder sees it. Stored
+objects are data, never code: nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.codecs import MAX_CODEC_NAME, CodecError, CodecPipeline, SegmentSpec, make_codec
+from kvstore.keys import ChunkKey, key_to_bytes
+from kvstore.layout import KVLayout
+
+MAGIC = b"KVSTCHNK"
+VERSION = 1
+_FIXED = struct.Struct("<8sHHI16s32sIIH")
+_SEGMENT = struct.Struct("<QQQQ")
+_CHECKSUM = struct.Struct("<Q")
+MAX_LAYERS = 4096
+
+
+class ChunkFormatError(Exception):
+    """A stored object is not a valid chunk for this key and layout. Callers treat it as a miss."""
+
+
+def checksum(data: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def header_size(num_layers: int, codec_id: str) -> int:
+    return _FIXED.size + len(codec_id.encode("ascii")) + num_layers * _SEGMENT.size + _CHECKSUM.size
+
+
+@dataclass(frozen=True)
+class Segment:
+    offset: int  # from the end of the header
+    stored_len: int
+    raw_len: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    header_len: int
+    codec: CodecPipeline
+    token_count: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def payload_len(self) -> int:
+        return sum(segment.stored_len for segment in self.segments)
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.payload_len
+
+
+def encode_header(layout: KVLayout, key: ChunkKey, codec_id: str, segments: list[Segment]) -> bytes:
+    codec_bytes = codec_id.encode("ascii")
+    parts = [
+        _FIXED.pack(
+            MAGIC,
+            VERSION,
+            0,
+            header_size(len(segments), codec_id),
+            layout.fingerprint,
+            key_to_bytes(key),
+            layout.chunk_tokens,
+            len(segments),
+            len(codec_bytes),
+        ),
+        codec_bytes,
+    ]
+    parts.extend(_SEGMENT.pack(s.offset, s.stored_len, s.raw_len, s.checksum) for s in segments)
+    body = b"".join(parts)
+    return body + _CHECKSUM.pack(checksum(body))
+
+
+def encode_chunk(layout: KVLayout, key: ChunkKey, chunk: Buffer, codec: CodecPipeline) -> list[Buffer]:
+    """The container as a list of buffers (header first) for a gather write; no concatenation.
+
+    With the identity codec the segments are views of ``chunk`` itself: zero copies.
+    """
+    raw = as_bytes_view(chunk)
+    if len(raw) != layout.chunk_nbytes:
+        raise ValueError(f"chunk is {len(raw)} bytes, layout needs {layout.chunk_nbytes}")
+    spec = SegmentSpec(layout.dtype, layout.layer_shape)
+    step = layout.layer_nbytes
+    encoded: list[Buffer] = []
+    segments: list[Segment] = []
+    offset = 0
+    for start in range(0, len(raw), step):
+        stored = as_bytes_view(codec.encode(raw[start : start + step], spec))
+        segments.append(Segment(offset, len(stored), step, checksum(stored)))
+        encoded.append(stored)
+        offset += len(stored)
+    return [encode_header(layout, key, codec.id, segments), *encoded]
+
+
+def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
+    """Check the header against ``layout`` and ``key``; ``data`` may hold more than the header."""
+    view = as_bytes_view(data)
+    if len(view) < _FIXED.size:
+        raise ChunkFormatError(f"object is {len(view)} bytes, shorter than a chunk header")
+    magic, version, flags, header_len, fingerprint, stored_key, tokens, n_layers, codec_len = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise ChunkFormatError("not a kvstore chunk (bad magic)")
+    if version != VERSION or flags != 0:
+        raise ChunkFormatError(f"unsupported chunk format version {version} (flags {flags})")
+    if not 0 < n_layers <= MAX_LAYERS or not 0 < codec_len <= MAX_CODEC_NAME:
+        raise ChunkFormatError("header counts out of range")
+    expected_len = _FIXED.size + codec_len + n_layers * _SEGMENT.size + _CHECKSUM.size
+    if header_len != expected_len or len(view) < header_len:
+        raise ChunkFormatError(f"header length {header_len} is inconsistent (object has {len(view)} bytes)")
+    body_end = header_len - _CHECKSUM.size
+    if _CHECKSUM.unpack_from(view, body_end)[0] != checksum(view[:body_end]):
+        raise ChunkFormatError("header checksum mismatch")
+    if fingerprint != layout.fingerprint:
+        raise ChunkFormatError("chunk was written for another model layout")
+    if stored_key != key_to_bytes(key):
+        raise ChunkFormatError("chunk holds another key")
+    if n_layers != layout.num_layers or tokens != layout.chunk_tokens:
+        raise ChunkFormatError("chunk shape does not match the layout")
+    codec_start = _FIXED.size
+    try:
+        codec = make_codec(bytes(view[codec_start : codec_start + codec_len]).decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ChunkFormatError(f"unknown codec in header: {exc}") from None
+    segments = []
+    offset = 0
+    for i in range(n_layers):
+        seg = Segment(*_SEGMENT.unpack_from(view, codec_start + codec_len + i * _SEGMENT.size))
+        if seg.offset != offset or seg.raw_len != layout.layer_nbytes:
+            raise ChunkFormatError(f"segment table entry {i} is inconsistent")
+        segments.append(seg)
+        offset += seg.stored_len
+    return ChunkHeader(header_len, codec, tokens, tuple(segments))
+
+
+def verify_segment(header: ChunkHeader, layer: int, stored: Buffer) -> None:
+    segment = header.segments[layer]
+    if len(stored) != segment.stored_len or checksum(stored) != segment.checksum:
+        raise ChunkFormatError(f"layer {layer} failed its checksum")
+
+
+def decode_layer(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buffer, out: memoryview) -> None:
+    """Verify and decode one layer's stored bytes into ``out`` (``layout.layer_nbytes`` long)."""
+    verify_segment(header, layer, stored)
+    try:
+        header.codec.decode_into(stored, SegmentSpec(layout.dtype, layout.layer_shape), out)
+    except CodecError as exc:
+        raise ChunkFormatError(f"layer {layer}: {exc}") from None
+
+
+def decode_payload(header: ChunkHeader, layout: KVLayout, payload: Buffer, out: Buffer) -> None:
+    """Verify and decode every layer of ``payload`` (the bytes after the header) into ``out``.
+
+    If ``payload`` already *is* ``out`` (identity codec read straight into place), only the
+    checksums are computed: the read needed no second copy.
+    """
+    payload_view, out_view = as_bytes_view(payload), as_bytes_view(out)
+    if len(payload_view) != header.payload_len:
+        raise ChunkFormatError(f"payload is {len(payload_view)} bytes, header says {header.payload_len}")
+    if len(out_view) != layout.chunk_nbytes:
+        raise ValueError(f"output is {len(out_view)} bytes, layout needs {layout.chunk_nbytes}")
+    in_place = header.codec.is_identity and _same_memory(payload_view, out_view)
+    step = layout.layer_nbytes
+    for layer, segment in enumerate(header.segments):
+        stored = payload_view[segment.offset : segment.offset + segment.stored_len]
+        if in_place:
+            verify_segment(header, layer, stored)
+        else:
+            decode_layer(header, layout, layer, stored, out_view[layer * step : (layer + 1) * step])
+
+
+def decode_chunk(data: Buffer, layout: KVLayout, key: ChunkKey, out: Buffer) -> ChunkHeader:
+    """Check and decode a whole container into ``out``; any defect raises ChunkFormatError."""
+    view = as_bytes_view(data)
+    header = parse_header(view, layout, key)
+    if len(view) != header.total_len:
+        raise ChunkFormatError(f"object is {len(view)} bytes, header says {header.total_len}")
+    decode_payload(header, layout, view[header.header_len :], out)
+    return header
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    """True when two views cover exactly the same bytes (identity read straight into place)."""
+    if len(a) != len(b):
+        return False
+    return np.frombuffer(a, np.uint8).ctypes.data == np.frombuffer(b, np.uint8).ctypes.data

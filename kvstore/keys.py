@@ -1,0 +1,83 @@
+"""Chunk keys: a prefix-hash chain, stable across processes, restarts and machines.
+
+key_i = SHA-256(key_{i-1} || tokens of chunk i || extra), seeded by the namespace (model
+name), the layout fingerprint and an optional tenant salt. Two prompts share key_i exactly
+when they share their first (i+1) chunks of tokens, so a prefix lookup is a walk down the
+list. Python's ``hash()`` is never used: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import numpy as np
+import torch
+
+from kvstore.layout import KVLayout
+
+ChunkKey: TypeAlias = str
+"""64 lowercase hex characters (a SHA-256 digest)."""
+
+KEY_BYTES = 32
+_CHAIN_TAG = b"kvstore-chain-v1\x00"
+
+
+def _token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {array.dtype}")
+    # One fixed byte order and width, whatever the caller's platform or dtype.
+    return array.astype("<i8", copy=False)
+
+
+def namespace_seed(layout: KVLayout, namespace: str, salt: bytes | str | None = None) -> bytes:
+    """The chain's starting value. A secret salt makes one tenant's keys unguessable to another."""
+    if isinstance(salt, str):
+        salt = salt.encode()
+    message = _CHAIN_TAG + namespace.encode() + b"\x00" + layout.fingerprint
+    return hmac.new(salt or b"", message, hashlib.sha256).digest()
+
+
+def chunk_keys(
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    layout: KVLayout,
+    namespace: str,
+    salt: bytes | str | None = None,
+    extra: bytes | None = None,
+) -> list[ChunkKey]:
+    """One key per *full* chunk of ``layout.chunk_tokens`` tokens; a trailing partial chunk has none.
+
+    ``extra`` folds in whatever else changes the KV for the same tokens (a LoRA adapter id,
+    an image hash): the same bytes must be given for every lookup of that prefix.
+    """
+    tokens = _token_array(token_ids)
+    size = layout.chunk_tokens
+    extra_block = struct.pack("<Q", len(extra)) + extra if extra else b""
+    previous = namespace_seed(layout, namespace, salt)
+    keys: list[ChunkKey] = []
+    for start in range(0, len(tokens) - size + 1, size):
+        digest = hashlib.sha256(previous)
+        digest.update(tokens[start : start + size].tobytes())
+        digest.update(extra_block)
+        previous = digest.digest()
+        keys.append(previous.hex())
+    return keys
+
+
+def key_to_bytes(key: ChunkKey) -> bytes:
+    """Validate a key and return its 32 raw bytes (as stored in chunk headers)."""
+    problem = f"a chunk key is {2 * KEY_BYTES} lowercase hex characters (see chunk_keys), got {key!r}"
+    if not isinstance(key, str) or len(key) != 2 * KEY_BYTES or key != key.lower():
+        raise ValueError(problem)
+    try:
+        return bytes.fromhex(key)
+    except ValueError:
+        raise ValueError(problem) from None

@@ -1,0 +1,306 @@
+"""KVStore: the DRAM primary tier and the secondary tiers below it, orchestrated on one event loop.
+
+- ``put`` copies the chunk into a DRAM slot and returns; each secondary tier gets the write
+  through its own bounded queue (a full queue drops that tier's write and counts it).
+- ``get`` serves DRAM, else reads the first tier that has the chunk straight into a fresh
+  slot (promotion) and queues it for the faster tiers it skipped.
+- Every tier operation runs under its configured timeout. A slot handed to an operation stays
+  referenced until that operation has really finished, even past a timeout, so its memory is
+  never reused under a thread that is still reading or writing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.codecs import make_codec
+from kvstore.config import StoreConfig
+from kvstore.dram import SlabPool
+from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes
+from kvstore.layout import KVLayout
+from kvstore.tier import ChunkTier
+
+log = logging.getLogger("kvstore")
+T = TypeVar("T")
+_TIMED_OUT = object()
+
+
+class StoreClosedError(RuntimeError):
+    """The store was used after ``close()``."""
+
+
+class KVStore:
+    """Tiered KV-cache store. Use as ``async with KVStore(config, layout, namespace=...) as store``."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        layout: KVLayout,
+        namespace: str,
+        *,
+        salt: bytes | str | None = None,
+        tiers: Sequence[ChunkTier] | None = None,
+    ) -> None:
+        """``tiers`` replaces the tiers built from ``config`` (for tests and custom backends)."""
+        self.config = config
+        self.layout = layout
+        self.namespace = namespace
+        self._salt = salt
+        self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory)
+        self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
+        self._counters = {"puts": 0, "put_rejected": 0, "put_duplicate": 0, "gets": 0, "hits": 0, "misses": 0}
+        self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
+        self._workers: list[asyncio.Task[None]] = []
+        self._in_flight: set[asyncio.Future[Any]] = set()  # tier operations, tracked until they end
+        self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
+        self._state = "new"
+
+    def _tiers_from_config(self) -> list[ChunkTier]:
+        disk = self.config.disk
+        if not disk.enabled:
+            return []
+        backend = DiskBackend(disk.path, int(disk.capacity), fsync=disk.fsync, executor=self._executor)
+        return [ChunkTier(backend, make_codec(disk.codec), self.layout, self._executor)]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> KVStore:
+        if self._state != "new":
+            raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
+        for tier in self.tiers:
+            await tier.open()
+        for tier in self.tiers:
+            queue: asyncio.Queue[tuple[ChunkKey, int]] = asyncio.Queue(self.config.queue_depth)
+            self._queues.append(queue)
+            for n in range(self.config.tier_workers):
+                self._workers.append(asyncio.create_task(self._cascade_worker(tier, queue), name=f"kvstore-{tier.name}-{n}"))
+        self._state = "open"
+        return self
+
+    async def __aenter__(self) -> KVStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Finish pending writes within ``timeouts.close`` seconds, then abandon the rest. Never hangs."""
+        if self._state in ("closing", "closed"):
+            return
+        was_open = self._state == "open"
+        self._state = "closing"
+        if was_open:
+            try:
+                await asyncio.wait_for(self.flush(), self.config.timeouts.close)
+            except TimeoutError:
+                log.warning("close: pending writes did not finish in %.1fs; abandoning them", self.config.timeouts.close)
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        for tier, queue in zip(self.tiers, self._queues, strict=True):
+            while not queue.empty():
+                _, slot = queue.get_nowait()
+                tier.stats.drops += 1
+                self.pool.release(slot)
+        for operation in list(self._in_flight):
+            operation.cancel()  # slots are released by their own callbacks when threads end
+        for tier in self.tiers:
+            try:
+                await asyncio.wait_for(tier.close(), self.config.timeouts.close)
+            except Exception as exc:
+                log.warning("close: %s tier did not close cleanly: %r", tier.name, exc)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._state = "closed"
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise StoreClosedError(f"the store is {self._state}; use it inside 'async with KVStore(...)'")
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def chunk_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, extra: bytes | None = None) -> list[ChunkKey]:
+        """Keys for this store's layout, namespace and salt."""
+        return chunk_keys(token_ids, self.layout, self.namespace, salt=self._salt, extra=extra)
+
+    # -- put ---------------------------------------------------------------------------------
+
+    async def put(self, key: ChunkKey, kv: torch.Tensor) -> bool:
+        """Copy ``kv`` into DRAM and queue it for every secondary tier; returns without I/O.
+
+        False when every DRAM slot is held by an in-flight transfer (counted as rejected).
+        """
+        self._check_open()
+        key_to_bytes(key)
+        self._check_chunk(kv, "kv")
+        self._counters["puts"] += 1
+        if self.pool.contains(key):
+            self._counters["put_duplicate"] += 1
+            return True
+        slot = self.pool.reserve()
+        if slot is None:
+            self._counters["put_rejected"] += 1
+            return False
+        try:
+            self.pool.tensor(slot).copy_(kv)
+            if not self.pool.publish(slot, key):  # another put of the same key won the race
+                self._counters["put_duplicate"] += 1
+                return True
+            self._enqueue(self.tiers, key, slot)
+        finally:
+            self.pool.release(slot)
+        return True
+
+    def _enqueue(self, tiers: Sequence[ChunkTier], key: ChunkKey, slot: int) -> None:
+        """Hand the slot to each tier's queue, one reference per queued write."""
+        for tier in tiers:
+            if tier.holds(key):
+                tier.stats.skipped += 1
+                continue
+            queue = self._queues[self.tiers.index(tier)]
+            if queue.full():
+                tier.stats.drops += 1
+                continue
+            self.pool.retain(slot)
+            queue.put_nowait((key, slot))
+
+    async def _cascade_worker(self, tier: ChunkTier, queue: asyncio.Queue[tuple[ChunkKey, int]]) -> None:
+        while True:
+            key, slot = await queue.get()
+            try:
+                write = tier.write(key, self.pool.buffer(slot))
+                await self._bounded(write, self.config.timeouts.put, tier, lambda: self.pool.release(slot))
+            except Exception as exc:
+                log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], exc)
+            finally:
+                queue.task_done()
+
+    # -- lookup and get ------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` some tier holds: the prefix that can be loaded, not recomputed."""
+        self._check_open()
+        keys = list(keys)
+        count = 0
+        while count < len(keys):
+            if self.pool.contains(keys[count]):
+                count += 1
+                continue
+            reached = count
+            for tier in self.tiers:
+                found = await self._bounded(tier.prefix_count(keys[count:]), self.config.timeouts.get, tier)
+                if found is not _TIMED_OUT and found > 0:
+                    reached = count + found
+                    break
+            if reached == count:
+                break
+            count = reached
+        return count
+
+    async def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The chunk (into ``out`` if given, else a new tensor), or None on a miss of any kind.
+
+        Pass ``out`` (pre-allocated, chunk-shaped) on hot paths: a fresh tensor pays page faults.
+        """
+        self._check_open()
+        key_to_bytes(key)
+        if out is not None:
+            self._check_chunk(out, "out")
+        self._counters["gets"] += 1
+        slot = self.pool.acquire(key)
+        if slot is None:
+            slot = await self._promote(key)
+        if slot is None:
+            self._counters["misses"] += 1
+            return None
+        try:
+            source = self.pool.tensor(slot)
+            result = out.copy_(source) if out is not None else source.clone()
+        finally:
+            self.pool.release(slot)
+        self._counters["hits"] += 1
+        return result
+
+    async def _promote(self, key: ChunkKey) -> int | None:
+        """Load ``key`` from the first tier that has it into a DRAM slot; the slot, referenced, or None.
+
+        Concurrent gets of one key share a single load.
+        """
+        loading = self._loading.get(key)
+        if loading is not None:
+            await asyncio.shield(loading)
+            return self.pool.acquire(key)
+        loading = self._loading[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._load_from_tiers(key)
+        finally:
+            del self._loading[key]
+            loading.set_result(None)
+
+    async def _load_from_tiers(self, key: ChunkKey) -> int | None:
+        for position, tier in enumerate(self.tiers):
+            slot = self.pool.reserve()
+            if slot is None:
+                log.debug("promotion of %s skipped: every DRAM slot is in use", key[:16])
+                return None
+            self.pool.retain(slot)  # the read's own reference: released only when the read ends
+            promoted = False
+            try:
+                release_read = lambda s=slot: self.pool.release(s)  # noqa: E731
+                loaded = await self._bounded(tier.read_into(key, self.pool.buffer(slot)), self.config.timeouts.get, tier, release_read)
+                if loaded is True:
+                    if not self.pool.publish(slot, key):  # a put of the same key landed meanwhile
+                        return self.pool.acquire(key)
+                    self._enqueue(self.tiers[:position], key, slot)
+                    promoted = True
+                    return slot
+            finally:
+                if not promoted:
+                    self.pool.release(slot)
+        return None
+
+    async def _bounded(
+        self, operation: Awaitable[T], timeout: float, tier: ChunkTier, on_end: Callable[[], None] | None = None
+    ) -> T | object:
+        """Await ``operation`` for at most ``timeout`` seconds; ``_TIMED_OUT`` past it.
+
+        ``on_end`` runs when the operation has really ended (maybe long after a timeout): that
+        is when the slot it used may be released.
+        """
+        task = asyncio.ensure_future(operation)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        if on_end is not None:
+            task.add_done_callback(lambda _: on_end())
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            tier.stats.timeouts += 1
+            log.warning("%s tier: operation exceeded its %.1fs timeout", tier.name, timeout)
+            task.cancel()
+            return _TIMED_OUT
+        return task.result()
+
+    async def flush(self) -> None:
+        """Wait until every queued write has reached its tier (or failed, or timed out)."""
+        await asyncio.gather(*(queue.join() for queue in self._queues))
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        tiers = {tier.name: {**tier.stats_dict(), "queued": queue.qsize()} for tier, queue in zip(self.tiers, self._queues)}
+        return {"store": dict(self._counters), "dram": self.pool.stats(), **tiers}
+
+    def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:
+        if tuple(tensor.shape) != self.layout.chunk_shape or tensor.dtype != self.layout.dtype:
+            raise ValueError(
+                f"{what} must be a {self.layout.dtype} tensor of shape {self.layout.chunk_shape} "
+                f"([layers, planes, tokens, heads, head_dim]), got {tensor.dtype} {tuple(tensor.shape)}"
+            )
