@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 
 from kvstore.codecs import make_codec
 
@@ -33,6 +41,12 @@ def default_cache_dir() -> Path:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, type(self))) from None
 
 
 class DramConfig(_Section):
@@ -82,6 +96,21 @@ class StoreConfig(BaseSettings):
             super().__init__(**values)
         except ValidationError as exc:
             raise ConfigError(_explain(exc, type(self))) from None
+        except SettingsError as exc:  # e.g. KVSTORE_DRAM='not json'
+            field = re.search(r'field "([^"]+)"', str(exc))
+            name = f"{ENV_PREFIX}{field[1].upper()}" if field else f"a {ENV_PREFIX}* variable"
+            raise ConfigError(
+                f"invalid kvstore configuration: {exc}; {name} must be a JSON object "
+                f"(e.g. '{{\"capacity\": \"4GiB\"}}'), or set one key with {ENV_PREFIX}SECTION__KEY"
+            ) from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
+            raise ConfigError(f"config file {_toml_file.get()} cannot be read as TOML: {exc}; fix the file") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, type(self))) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> StoreConfig:
@@ -89,7 +118,12 @@ class StoreConfig(BaseSettings):
         file = path if path is not None else os.environ.get(CONFIG_FILE_ENV)
         toml_path = Path(file).expanduser() if file else None
         if toml_path is not None and not toml_path.is_file():
-            raise ConfigError(f"config file {toml_path} does not exist (from {'path' if path else CONFIG_FILE_ENV})")
+            source, fix = (
+                ("the path given", "pass the path of an existing TOML file")
+                if path is not None
+                else (CONFIG_FILE_ENV, f"set {CONFIG_FILE_ENV} to an existing TOML file, or unset it")
+            )
+            raise ConfigError(f"config file {toml_path} (from {source}) does not exist or is not a file; {fix}")
         token = _toml_file.set(toml_path)
         try:
             return cls(**overrides)

@@ -6,6 +6,7 @@ Layout (little-endian)::
                  layout fingerprint 16s, key 32s, token_count u32, num_layers u32,
                  codec name length u16, codec name (ASCII)
     segment table  num_layers x (offset u64, stored_len u64, raw_len u64, xxh3-64 u64)
+    zero padding   up to a multiple of 4096 bytes, less the checksum
     header checksum  xxh3-64 of everything above, u64
     segments     one per layer, in layer order, each encoded on its own
 
@@ -18,9 +19,10 @@ objects are data, never code: nothing here unpickles.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 
-import numpy as np
 import xxhash
 
 from kvstore.buffers import Buffer, as_bytes_view
@@ -34,6 +36,7 @@ _FIXED = struct.Struct("<8sHHI16s32sIIH")
 _SEGMENT = struct.Struct("<QQQQ")
 _CHECKSUM = struct.Struct("<Q")
 MAX_LAYERS = 4096
+HEADER_ALIGN = 4096
 
 
 class ChunkFormatError(Exception):
@@ -45,7 +48,9 @@ def checksum(data: Buffer) -> int:
 
 
 def header_size(num_layers: int, codec_id: str) -> int:
-    return _FIXED.size + len(codec_id.encode("ascii")) + num_layers * _SEGMENT.size + _CHECKSUM.size
+    """Header bytes, padded so the payload starts on a page boundary (unaligned copies are slower)."""
+    unpadded = _FIXED.size + len(codec_id.encode("ascii")) + num_layers * _SEGMENT.size + _CHECKSUM.size
+    return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
 
 
 @dataclass(frozen=True)
@@ -90,28 +95,45 @@ def encode_header(layout: KVLayout, key: ChunkKey, codec_id: str, segments: list
     ]
     parts.extend(_SEGMENT.pack(s.offset, s.stored_len, s.raw_len, s.checksum) for s in segments)
     body = b"".join(parts)
+    body += bytes(header_size(len(segments), codec_id) - len(body) - _CHECKSUM.size)  # zero padding
     return body + _CHECKSUM.pack(checksum(body))
 
 
-def encode_chunk(layout: KVLayout, key: ChunkKey, chunk: Buffer, codec: CodecPipeline) -> list[Buffer]:
-    """The container as a list of buffers (header first) for a gather write; no concatenation.
+def encode_layers(layout: KVLayout, chunk: Buffer, codec: CodecPipeline) -> Iterator[tuple[memoryview, Segment]]:
+    """Each layer's stored bytes and table entry, in order; each checksummed while still in cache.
 
-    With the identity codec the segments are views of ``chunk`` itself: zero copies.
+    With the identity codec the stored bytes are views of ``chunk`` itself: zero copies.
     """
     raw = as_bytes_view(chunk)
     if len(raw) != layout.chunk_nbytes:
         raise ValueError(f"chunk is {len(raw)} bytes, layout needs {layout.chunk_nbytes}")
     spec = SegmentSpec(layout.dtype, layout.layer_shape)
     step = layout.layer_nbytes
-    encoded: list[Buffer] = []
-    segments: list[Segment] = []
     offset = 0
     for start in range(0, len(raw), step):
         stored = as_bytes_view(codec.encode(raw[start : start + step], spec))
-        segments.append(Segment(offset, len(stored), step, checksum(stored)))
-        encoded.append(stored)
+        yield stored, Segment(offset, len(stored), step, checksum(stored))
         offset += len(stored)
-    return [encode_header(layout, key, codec.id, segments), *encoded]
+
+
+def encode_chunk(layout: KVLayout, key: ChunkKey, chunk: Buffer, codec: CodecPipeline) -> list[Buffer]:
+    """The whole container as a list of buffers (header first), for a gather write or upload."""
+    encoded = list(encode_layers(layout, chunk, codec))
+    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded])
+    return [header, *(stored for stored, _ in encoded)]
+
+
+def header_length(prefix: Buffer) -> int:
+    """The full header's length, from its first bytes (at least the fixed part)."""
+    view = as_bytes_view(prefix)
+    if len(view) < _FIXED.size:
+        raise ChunkFormatError(f"object is {len(view)} bytes, shorter than a chunk header")
+    magic, _, _, header_len = struct.unpack_from("<8sHHI", view)
+    if magic != MAGIC:
+        raise ChunkFormatError("not a kvstore chunk (bad magic)")
+    if not _FIXED.size < header_len <= header_size(MAX_LAYERS, "x" * MAX_CODEC_NAME):
+        raise ChunkFormatError(f"header length {header_len} out of range")
+    return header_len
 
 
 def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
@@ -126,7 +148,7 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
         raise ChunkFormatError(f"unsupported chunk format version {version} (flags {flags})")
     if not 0 < n_layers <= MAX_LAYERS or not 0 < codec_len <= MAX_CODEC_NAME:
         raise ChunkFormatError("header counts out of range")
-    expected_len = _FIXED.size + codec_len + n_layers * _SEGMENT.size + _CHECKSUM.size
+    expected_len = header_size(n_layers, "x" * codec_len)
     if header_len != expected_len or len(view) < header_len:
         raise ChunkFormatError(f"header length {header_len} is inconsistent (object has {len(view)} bytes)")
     body_end = header_len - _CHECKSUM.size
@@ -140,7 +162,7 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
         raise ChunkFormatError("chunk shape does not match the layout")
     codec_start = _FIXED.size
     try:
-        codec = make_codec(bytes(view[codec_start : codec_start + codec_len]).decode("ascii"))
+        codec = _codec_named(bytes(view[codec_start : codec_start + codec_len]).decode("ascii"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChunkFormatError(f"unknown codec in header: {exc}") from None
     segments = []
@@ -170,24 +192,16 @@ def decode_layer(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buff
 
 
 def decode_payload(header: ChunkHeader, layout: KVLayout, payload: Buffer, out: Buffer) -> None:
-    """Verify and decode every layer of ``payload`` (the bytes after the header) into ``out``.
-
-    If ``payload`` already *is* ``out`` (identity codec read straight into place), only the
-    checksums are computed: the read needed no second copy.
-    """
+    """Verify and decode every layer of ``payload`` (the bytes after the header) into ``out``."""
     payload_view, out_view = as_bytes_view(payload), as_bytes_view(out)
     if len(payload_view) != header.payload_len:
         raise ChunkFormatError(f"payload is {len(payload_view)} bytes, header says {header.payload_len}")
     if len(out_view) != layout.chunk_nbytes:
         raise ValueError(f"output is {len(out_view)} bytes, layout needs {layout.chunk_nbytes}")
-    in_place = header.codec.is_identity and _same_memory(payload_view, out_view)
     step = layout.layer_nbytes
     for layer, segment in enumerate(header.segments):
         stored = payload_view[segment.offset : segment.offset + segment.stored_len]
-        if in_place:
-            verify_segment(header, layer, stored)
-        else:
-            decode_layer(header, layout, layer, stored, out_view[layer * step : (layer + 1) * step])
+        decode_layer(header, layout, layer, stored, out_view[layer * step : (layer + 1) * step])
 
 
 def decode_chunk(data: Buffer, layout: KVLayout, key: ChunkKey, out: Buffer) -> ChunkHeader:
@@ -200,8 +214,7 @@ def decode_chunk(data: Buffer, layout: KVLayout, key: ChunkKey, out: Buffer) -> 
     return header
 
 
-def _same_memory(a: memoryview, b: memoryview) -> bool:
-    """True when two views cover exactly the same bytes (identity read straight into place)."""
-    if len(a) != len(b):
-        return False
-    return np.frombuffer(a, np.uint8).ctypes.data == np.frombuffer(b, np.uint8).ctypes.data
+@lru_cache(maxsize=64)
+def _codec_named(name: str) -> CodecPipeline:
+    """Codec objects are stateless across chunks (per-thread state lives inside them): share them."""
+    return make_codec(name)

@@ -24,10 +24,14 @@ ChunkKey: TypeAlias = str
 
 KEY_BYTES = 32
 _CHAIN_TAG = b"kvstore-chain-v1\x00"
+_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 def _token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            # Checked here: .numpy() itself fails with a TypeError on bfloat16.
+            raise ValueError(f"token_ids must be integers, got dtype {token_ids.dtype}")
         token_ids = token_ids.detach().cpu().numpy()
     array = np.asarray(token_ids)
     if array.ndim != 1:
@@ -75,9 +79,7 @@ def chunk_keys(
 def key_to_bytes(key: ChunkKey) -> bytes:
     """Validate a key and return its 32 raw bytes (as stored in chunk headers)."""
     problem = f"a chunk key is {2 * KEY_BYTES} lowercase hex characters (see chunk_keys), got {key!r}"
-    if not isinstance(key, str) or len(key) != 2 * KEY_BYTES or key != key.lower():
+    # bytes.fromhex alone would skip whitespace ("00 11..." gives fewer than 32 bytes).
+    if not isinstance(key, str) or len(key) != 2 * KEY_BYTES or not set(key) <= _HEX_DIGITS:
         raise ValueError(problem)
-    try:
-        return bytes.fromhex(key)
-    except ValueError:
-        raise ValueError(problem) from None
+    return bytes.fromhex(key)

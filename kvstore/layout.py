@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -70,24 +71,24 @@ class KVLayout:
         """16 bytes that change whenever the meaning of a chunk's bytes would."""
         return self._fingerprint
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
-    @property
+    @cached_property
     def layer_shape(self) -> tuple[int, int, int, int]:
         return (self.kv_planes, self.chunk_tokens, self.num_kv_heads, self.head_dim)
 
-    @property
+    @cached_property
     def chunk_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, *self.layer_shape)
 
-    @property
+    @cached_property
     def layer_nbytes(self) -> int:
         p, t, h, d = self.layer_shape
         return p * t * h * d * self.itemsize
 
-    @property
+    @cached_property
     def chunk_nbytes(self) -> int:
         return self.num_layers * self.layer_nbytes
 

@@ -157,6 +157,7 @@ class KVStore:
             self._enqueue(self.tiers, key, slot)
         finally:
             self.pool.release(slot)
+        await asyncio.sleep(0)  # let the cascade workers start this write while the engine goes on
         return True
 
     def _enqueue(self, tiers: Sequence[ChunkTier], key: ChunkKey, slot: int) -> None:

@@ -11,15 +11,30 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Executor
 
-from kvstore.backends.base import Backend
+from kvstore.backends.base import Backend, ChunkReader, LocalBackend
+from kvstore.buffers import Buffer
 from kvstore.codecs import CodecPipeline
-from kvstore.format import ChunkFormatError, decode_chunk, decode_payload, encode_chunk, header_size, parse_header
+from kvstore.format import (
+    ChunkFormatError,
+    ChunkHeader,
+    Segment,
+    decode_chunk,
+    decode_layer,
+    encode_chunk,
+    encode_header,
+    encode_layers,
+    header_length,
+    header_size,
+    parse_header,
+    verify_segment,
+)
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.stats import TierStats
 from kvstore.threads import in_thread
 
 log = logging.getLogger("kvstore.tier")
+BATCH_BYTES = 1 << 20  # read or write this much, then checksum it while it is still in L2 cache
 
 
 class ChunkTier:
@@ -30,9 +45,7 @@ class ChunkTier:
         self.name = backend.name
         self.stats = TierStats()
         self._executor = executor
-        # With the identity codec a stored chunk is header + the slot's exact bytes, so a
-        # scatter read can land the payload directly in the slot: no second copy.
-        self._direct_header_len = header_size(layout.num_layers, codec.id) if codec.is_identity else None
+        self._header_guess = header_size(layout.num_layers, codec.id)  # exact unless the codec changed
 
     async def open(self) -> None:
         await self.backend.open()
@@ -43,25 +56,49 @@ class ChunkTier:
     async def write(self, key: ChunkKey, chunk: memoryview) -> None:
         """Encode (in a thread) and store one chunk; raises on failure so the caller can count it."""
         try:
-            parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec)
-            await self.backend.set(key, parts)
+            if isinstance(self.backend, LocalBackend):
+                written = await in_thread(self._executor, self._write_local, key, chunk)
+            else:
+                parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec)
+                await self.backend.set(key, parts)
+                written = _total_len(parts)
         except Exception:
             self.stats.errors += 1
             raise
         self.stats.writes += 1
-        self.stats.bytes_written += sum(len(memoryview(p)) for p in parts)
+        self.stats.bytes_written += written
+
+    def _write_local(self, key: ChunkKey, chunk: memoryview) -> int:
+        """Encode and write layer batch by layer batch, then the header; one thread call."""
+        assert isinstance(self.backend, LocalBackend)
+        header_len = header_size(self.layout.num_layers, self.codec.id)
+        segments: list[Segment] = []
+        batch: list[memoryview] = []
+        batch_start = position = header_len
+        with self.backend.open_writer(key) as writer:
+            for stored, segment in encode_layers(self.layout, chunk, self.codec):
+                segments.append(segment)
+                batch.append(stored)
+                position += len(stored)
+                if position - batch_start >= BATCH_BYTES:
+                    writer.write_at(batch_start, batch)
+                    batch, batch_start = [], position
+            if batch:
+                writer.write_at(batch_start, batch)
+            writer.write_at(0, [encode_header(self.layout, key, self.codec.id, segments)])
+        return position
 
     def holds(self, key: ChunkKey) -> bool:
         """True only when the tier knows, without I/O, that it has the chunk."""
-        holds = getattr(self.backend, "holds", None)
-        return bool(holds(key)) if holds is not None else False
+        return isinstance(self.backend, LocalBackend) and self.backend.holds(key)
 
     async def read_into(self, key: ChunkKey, out: memoryview) -> bool:
         """Fill ``out`` with the chunk; False on a miss of any kind (absent, corrupt, error)."""
         try:
-            found = await self._read_direct(key, out) if self._direct_header_len else None
-            if found is None:
-                found = await self._read_whole(key, out)
+            if isinstance(self.backend, LocalBackend):
+                size = await in_thread(self._executor, self._read_local, key, out)
+            else:
+                size = await self._read_remote(key, out)
         except ChunkFormatError as exc:
             await self._discard_corrupt(key, exc)
             return False
@@ -69,36 +106,61 @@ class ChunkTier:
             self.stats.errors += 1
             log.warning("%s tier: read of %s failed: %r", self.name, key[:16], exc)
             return False
-        if found:
-            self.stats.hits += 1
-        else:
-            self.stats.misses += 1
-        return found
-
-    async def _read_direct(self, key: ChunkKey, out: memoryview) -> bool | None:
-        """Header into a small buffer, payload straight into ``out``; None if the object needs the general path."""
-        assert self._direct_header_len is not None
-        header_buffer = memoryview(bytearray(self._direct_header_len))
-        size = await self.backend.get_into(key, [header_buffer, out])
         if size is None:
+            self.stats.misses += 1
             return False
-        if size != self._direct_header_len + len(out):
-            return None  # written with another codec, or not ours: decode it the general way
-        await in_thread(self._executor, self._check_in_place, key, header_buffer, out)
+        self.stats.hits += 1
         self.stats.bytes_read += size
         return True
 
-    def _check_in_place(self, key: ChunkKey, header_buffer: memoryview, out: memoryview) -> None:
-        header = parse_header(header_buffer, self.layout, key)
-        decode_payload(header, self.layout, out, out)
+    def _read_local(self, key: ChunkKey, out: memoryview) -> int | None:
+        """Read and verify in one thread call, layer batch by layer batch; the file's size or None."""
+        assert isinstance(self.backend, LocalBackend)
+        reader = self.backend.open_reader(key)
+        if reader is None:
+            return None
+        with reader:
+            head = bytearray(self._header_guess)
+            got = reader.readinto([memoryview(head)], 0)
+            needed = header_length(memoryview(head)[:got])
+            if needed > got:
+                head = bytearray(needed)
+                reader.readinto([memoryview(head)], 0)
+            header = parse_header(memoryview(head)[:needed], self.layout, key)
+            if reader.size != header.total_len:
+                raise ChunkFormatError(f"file is {reader.size} bytes, header says {header.total_len}")
+            if header.codec.is_identity:
+                self._read_identity(reader, header, out)
+            else:
+                self._read_encoded(reader, header, out)
+        return reader.size
 
-    async def _read_whole(self, key: ChunkKey, out: memoryview) -> bool:
+    def _read_identity(self, reader: ChunkReader, header: ChunkHeader, out: memoryview) -> None:
+        """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot."""
+        step = self.layout.layer_nbytes
+        if any(segment.stored_len != step for segment in header.segments):
+            raise ChunkFormatError("identity segments must be one layer long")
+        per_batch = max(1, BATCH_BYTES // step)
+        for first in range(0, self.layout.num_layers, per_batch):
+            last = min(first + per_batch, self.layout.num_layers)
+            reader.readinto([out[first * step : last * step]], header.header_len + first * step)
+            for layer in range(first, last):
+                verify_segment(header, layer, out[layer * step : (layer + 1) * step])
+
+    def _read_encoded(self, reader: ChunkReader, header: ChunkHeader, out: memoryview) -> None:
+        step = self.layout.layer_nbytes
+        scratch = memoryview(bytearray(max(segment.stored_len for segment in header.segments)))
+        for layer, segment in enumerate(header.segments):
+            stored = scratch[: segment.stored_len]
+            reader.readinto([stored], header.header_len + segment.offset)
+            decode_layer(header, self.layout, layer, stored, out[layer * step : (layer + 1) * step])
+
+    async def _read_remote(self, key: ChunkKey, out: memoryview) -> int | None:
         data = await self.backend.get(key)
         if data is None:
-            return False
+            return None
         await in_thread(self._executor, decode_chunk, data, self.layout, key, out)
-        self.stats.bytes_read += len(data)
-        return True
+        return len(data)
 
     async def _discard_corrupt(self, key: ChunkKey, exc: ChunkFormatError) -> None:
         self.stats.corrupt += 1
@@ -119,3 +181,7 @@ class ChunkTier:
 
     def stats_dict(self) -> dict[str, int | float | str]:
         return {**self.stats.as_dict(), "codec": self.codec.id, **self.backend.stats()}
+
+
+def _total_len(parts: list[Buffer]) -> int:
+    return sum(memoryview(part).nbytes for part in parts)

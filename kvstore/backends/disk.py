@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
-from kvstore.backends.base import Backend, ByteRange
+from kvstore.backends.base import ByteRange, LocalBackend
 from kvstore.buffers import Buffer, as_bytes_view
 from kvstore.threads import in_thread
 
@@ -37,9 +37,8 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 STALE_TMP_SECONDS = 600.0
 
 
-class DiskBackend(Backend):
+class DiskBackend(LocalBackend):
     name = "disk"
-    exists_is_cheap = True
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False, executor: Executor | None = None):
         self.root = Path(root).expanduser()
@@ -87,9 +86,9 @@ class DiskBackend(Backend):
     # -- reads -------------------------------------------------------------------------------
 
     async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        return await in_thread(self._executor, self._read, key, byte_range)
+        return await in_thread(self._executor, self.read, key, byte_range)
 
-    def _read(self, key: str, byte_range: ByteRange | None) -> bytes | None:
+    def read(self, key: str, byte_range: ByteRange | None) -> bytes | None:
         try:
             with open(self.path_for(key), "rb", buffering=0) as file:
                 if byte_range is None:
@@ -108,7 +107,16 @@ class DiskBackend(Backend):
         return await in_thread(self._executor, self.read_into, key, buffers)
 
     def read_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
-        """Scatter-read the file's leading bytes straight into ``buffers`` (one ``preadv``); its size."""
+        """Scatter-read the file's leading bytes straight into ``buffers``; the file's size."""
+        reader = self.open_reader(key)
+        if reader is None:
+            return None
+        with reader:
+            reader.readinto([as_bytes_view(b) for b in buffers], 0)
+        return reader.size
+
+    def open_reader(self, key: str) -> FileReader | None:
+        """An open chunk file for positioned reads, or None if absent; counts as a hit for LRU."""
         try:
             fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -116,11 +124,11 @@ class DiskBackend(Backend):
             return None
         try:
             size = os.fstat(fd).st_size
-            _read_fully(fd, [as_bytes_view(b) for b in buffers], limit=size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         self._touch(key, size)
-        return size
+        return FileReader(fd, size)
 
     async def exists(self, key: str) -> bool:
         with self._lock:
@@ -158,36 +166,29 @@ class DiskBackend(Backend):
         await in_thread(self._executor, self.write, key, parts)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Write to a private temporary file, optionally fsync, then rename into place."""
+        """Write the concatenation of ``parts`` atomically (see :meth:`open_writer`)."""
+        with self.open_writer(key) as writer:
+            writer.write_at(0, parts)
+
+    def open_writer(self, key: str) -> FileWriter:
+        """A private temporary file; committing it (fsync if configured, rename) makes it visible."""
         final = self.path_for(key)
-        views = [as_bytes_view(part) for part in parts]
-        size = sum(len(v) for v in views)
-        if size > self.capacity_bytes:
-            raise OSError(errno.EFBIG, f"a {size}-byte chunk exceeds disk.capacity ({self.capacity_bytes} bytes)")
-        self._ensure_dir(final.parent)
         temporary = final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            _write_fully(fd, views)
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(temporary)
-            raise
-        os.close(fd)
-        try:
-            os.replace(temporary, final)
-        except BaseException:
-            _unlink_quietly(temporary)
-            raise
+            fd = os.open(temporary, flags, 0o600)
+        except FileNotFoundError:  # first write in this shard, or the directory was removed under us
+            self._made_dirs.discard(final.parent)
+            # Each level 0700: mkdir(parents=True) would create root/ab with the default 0755.
+            for directory in (self.root, final.parent.parent, final.parent):
+                directory.mkdir(mode=0o700, parents=directory == self.root, exist_ok=True)
+            self._made_dirs.add(final.parent)
+            fd = os.open(temporary, flags, 0o600)
+        return FileWriter(self, key, fd, temporary, final)
+
+    def _commit(self, key: str, size: int) -> None:
         self._remember(key, size)
         self._evict_to(self.capacity_bytes, keep=key)
-
-    def _ensure_dir(self, directory: Path) -> None:
-        if directory not in self._made_dirs:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._made_dirs.add(directory)
 
     async def delete(self, key: str) -> None:
         await in_thread(self._executor, self._delete, key)
@@ -244,6 +245,65 @@ class DiskBackend(Backend):
             return {"files": len(self._index), "bytes_used": self._used, "capacity": self.capacity_bytes, "evictions": self.evictions}
 
 
+class FileReader:
+    """Positioned reads of one open chunk file (the tier reads layer by layer, verifying as it goes)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+
+    def readinto(self, buffers: Sequence[memoryview], offset: int) -> int:
+        """Fill ``buffers`` in order from ``offset``, stopping at the end of the file; bytes read."""
+        return _read_fully(self.fd, list(buffers), offset, self.size)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class FileWriter:
+    """A temporary file filled by positioned writes; on a clean exit it is committed, else removed."""
+
+    def __init__(self, backend: DiskBackend, key: str, fd: int, temporary: Path, final: Path) -> None:
+        self._backend, self._key, self._fd = backend, key, fd
+        self._temporary, self._final = temporary, final
+        self.size = 0
+
+    def write_at(self, offset: int, parts: Sequence[Buffer]) -> None:
+        views = [as_bytes_view(part) for part in parts]
+        end = offset + sum(len(v) for v in views)
+        if end > self._backend.capacity_bytes:
+            raise OSError(errno.EFBIG, f"a chunk file over {end} bytes exceeds disk.capacity ({self._backend.capacity_bytes} bytes)")
+        _write_fully(self._fd, views, offset)
+        self.size = max(self.size, end)
+
+    def __enter__(self) -> FileWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        committed = False
+        try:
+            if exc_type is None:
+                if self._backend.fsync:
+                    os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
+                os.replace(self._temporary, self._final)
+                committed = True
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+            if not committed:
+                _unlink_quietly(self._temporary)
+        if committed:
+            self._backend._commit(self._key, self.size)
+
+
 def _walk_files(root: Path) -> list[tuple[Path, os.stat_result]]:
     """Every file two directory levels below ``root`` (the shard layout), with its stat."""
     found: list[tuple[Path, os.stat_result]] = []
@@ -287,25 +347,28 @@ def _advance(pending: list[memoryview], done: int) -> None:
             done = 0
 
 
-def _write_fully(fd: int, views: list[memoryview]) -> None:
+def _write_fully(fd: int, views: list[memoryview], offset: int) -> None:
     pending = [v for v in views if len(v)]
     while pending:
-        _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
+        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        offset += written
+        _advance(pending, written)
 
 
-def _read_fully(fd: int, views: list[memoryview], limit: int) -> None:
-    """Fill ``views`` in order from offset 0, stopping at ``limit`` bytes (the file size)."""
-    pending, offset = [], 0
+def _read_fully(fd: int, views: list[memoryview], offset: int, size: int) -> int:
+    """Fill ``views`` in order from ``offset``, stopping at ``size`` (the file's end); bytes read."""
+    pending, wanted = [], 0
     for view in views:
-        take = min(len(view), limit - offset)
+        take = min(len(view), size - offset - wanted)
         if take <= 0:
             break
         pending.append(view[:take])
-        offset += take
-    position = 0
+        wanted += take
+    position = offset
     while pending:
         got = os.preadv(fd, pending[:_IOV_MAX], position)
         if got == 0:
             raise OSError(errno.EIO, "file shrank while being read")
         position += got
         _advance(pending, got)
+    return wanted

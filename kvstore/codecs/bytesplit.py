@@ -16,7 +16,7 @@ import zstandard
 
 from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
-from kvstore.codecs.zstd import zstd_decompress
+from kvstore.codecs.zstd import check_zstd_level, zstd_decompress
 
 _PREFIX = struct.Struct("<I")  # length of the compressed high plane
 
@@ -28,6 +28,7 @@ class ByteSplitCodec(Codec):
 
     def __init__(self, level: int | None = None) -> None:
         super().__init__(level)
+        check_zstd_level(self.name, self.level)  # else a bad level would only fail at the first encode
         self._local = threading.local()
 
     def _zstd(self) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:

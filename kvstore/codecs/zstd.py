@@ -9,6 +9,13 @@ import zstandard
 from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
 
+MIN_LEVEL, MAX_LEVEL = -7, 22
+
+
+def check_zstd_level(codec: str, level: int) -> None:
+    if not MIN_LEVEL <= level <= MAX_LEVEL:
+        raise ValueError(f"{codec} level must be between {MIN_LEVEL} and {MAX_LEVEL}, got {level}")
+
 
 class ZstdCodec(Codec):
     name = "zstd"
@@ -46,6 +53,7 @@ def zstd_decompress(decompressor: zstandard.ZstdDecompressor, data: Buffer, limi
         size = zstandard.frame_content_size(data)
         if size < 0 or size > limit:
             raise CodecError(f"zstd frame declares {size} bytes (limit {limit})")
-        return decompressor.decompress(data, max_output_size=limit)
+        # One frame and nothing after it: trailing bytes are a defect, not something to ignore.
+        return decompressor.decompress(data, max_output_size=limit, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd: {exc}") from exc

@@ -1,0 +1,282 @@
+"""``kvstore bench``: tier throughput against raw baselines measured in the same run.
+
+Ratios, not absolute numbers, are what to compare: this machine is shared and noisy, so each
+kvstore figure is printed beside a baseline that moves the same bytes right before it:
+
+- DRAM put / get   vs  ``Tensor.copy_`` into pre-allocated, pre-touched memory (memcpy)
+- disk write       vs  open + write (+ fsync when the tier fsyncs) + close of the same bytes
+- disk read        vs  open + readinto a pre-allocated buffer + close, page cache warm or cold
+- codecs           ratio and single-thread MB/s on real KV (the SmolLM2 sample) when available
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.codecs import SegmentSpec, make_codec, roundtrip_error
+from kvstore.config import StoreConfig
+from kvstore.keys import chunk_keys
+from kvstore.layout import KVLayout
+from kvstore.store import KVStore
+from kvstore.tier import ChunkTier
+
+LAYOUTS: dict[str, KVLayout] = {
+    "SmolLM2-135M": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16),
+    "Llama-3-8B": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
+}
+TARGETS = {"DRAM put": 0.7, "DRAM get": 0.7, "disk write": 0.8, "disk read (warm)": 0.8, "disk read (cold)": 0.8}
+CODECS = ["zstd", "lz4", "bytesplit", "fp8", "fp8+zstd"]
+
+
+@dataclass
+class Row:
+    layout: str
+    operation: str
+    nbytes: int
+    seconds: float
+    baseline_seconds: float
+    baseline: str
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def baseline_gbps(self) -> float:
+        return self.nbytes / self.baseline_seconds / 1e9
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline_seconds / self.seconds
+
+    @property
+    def target(self) -> float | None:
+        return TARGETS.get(self.operation)
+
+
+def _sample_chunks(layout: KVLayout, count: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(layout.chunk_shape, generator=generator).to(layout.dtype) for _ in range(count)]
+
+
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+async def _best_pair(
+    baseline: Callable[[], Awaitable[float]], mine: Callable[[], Awaitable[float]], repeats: int
+) -> tuple[float, float]:
+    """Best times of baseline and kvstore, run alternately so both see the same machine noise."""
+    base_best = mine_best = float("inf")
+    for _ in range(repeats):
+        base_best = min(base_best, await baseline())
+        mine_best = min(mine_best, await mine())
+    return base_best, mine_best
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> list[Row]:
+    sources = _sample_chunks(layout, min(chunks, 4))
+    outputs = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]  # pre-touched
+    staging = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]
+    total = chunks * layout.chunk_nbytes
+
+    async def memcpy() -> float:
+        return _timed(lambda: [staging[i].copy_(sources[i % len(sources)]) for i in range(chunks)])
+
+    async def memcpy_out() -> float:
+        return _timed(lambda: [outputs[i].copy_(staging[i]) for i in range(chunks)])
+
+    config = StoreConfig(dram={"capacity": (chunks + 1) * layout.chunk_nbytes}, disk={"enabled": False})
+    async with KVStore(config, layout, namespace=f"bench-{name}") as store:
+        keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
+
+        async def put_all() -> float:
+            for key in keys:  # start from an empty pool each round, so every put copies
+                store.pool.discard(key)
+            start = time.perf_counter()
+            for i, key in enumerate(keys):
+                await store.put(key, sources[i % len(sources)])
+            return time.perf_counter() - start
+
+        async def get_all() -> float:
+            start = time.perf_counter()
+            for i, key in enumerate(keys):
+                await store.get(key, out=outputs[i])
+            return time.perf_counter() - start
+
+        put_base, put_time = await _best_pair(memcpy, put_all, repeats)
+        get_base, get_time = await _best_pair(memcpy_out, get_all, repeats)
+        for i, key in enumerate(keys):
+            assert torch.equal(outputs[i], sources[i % len(sources)]), "DRAM round trip changed the data"
+    return [
+        Row(name, "DRAM put", total, put_time, put_base, "memcpy"),
+        Row(name, "DRAM get", total, get_time, get_base, "memcpy"),
+    ]
+
+
+def _raw_write(directory: Path, index: int, data: memoryview, fsync: bool) -> None:
+    fd = os.open(directory / f"raw-{index}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = data
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(directory: Path, index: int, into: memoryview) -> None:
+    with open(directory / f"raw-{index}.bin", "rb", buffering=0) as file:
+        view = into
+        while view:
+            got = file.readinto(view)
+            if not got:
+                break
+            view = view[got:]
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    """Ask the kernel to forget these files' cached pages (clean pages go; no root needed)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, directory: Path, fsync: bool) -> list[Row]:
+    sources = _sample_chunks(layout, min(chunks, 4), seed=1)
+    source_bytes = [memoryview(s.view(torch.uint8).reshape(-1).numpy()) for s in sources]
+    destination = torch.zeros(chunks, layout.chunk_nbytes, dtype=torch.uint8)  # like DRAM slots: pre-touched
+    slots = [memoryview(destination[i].numpy()) for i in range(chunks)]
+    total = chunks * layout.chunk_nbytes
+    raw_dir = directory / "raw"
+    raw_dir.mkdir()
+    backend = DiskBackend(directory / "tier", capacity_bytes=1 << 50, fsync=fsync)
+    tier = ChunkTier(backend, make_codec("identity"), layout, executor=None)
+    await tier.open()
+    keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
+    loop = asyncio.get_running_loop()
+
+    async def in_thread(fn: Callable[[], object]) -> float:
+        return await loop.run_in_executor(None, _timed, fn)
+
+    async def raw_write() -> float:
+        return await in_thread(lambda: [_raw_write(raw_dir, i, source_bytes[i % len(sources)], fsync) for i in range(chunks)])
+
+    async def tier_write() -> float:
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            await tier.write(key, source_bytes[i % len(sources)])
+        return time.perf_counter() - start
+
+    async def raw_read(cold: bool) -> float:
+        if cold:
+            _drop_cache([raw_dir / f"raw-{i}.bin" for i in range(chunks)])
+        return await in_thread(lambda: [_raw_read(raw_dir, i, slots[i]) for i in range(chunks)])
+
+    async def tier_read(cold: bool) -> float:
+        if cold:
+            _drop_cache([backend.path_for(key) for key in keys])
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            if not await tier.read_into(key, slots[i]):
+                raise RuntimeError(f"disk tier lost chunk {i} during the benchmark")
+        return time.perf_counter() - start
+
+    rows = []
+    write_base, write_time = await _best_pair(raw_write, tier_write, repeats)
+    rows.append(Row(name, "disk write", total, write_time, write_base, "write+fsync" if fsync else "write"))
+    for cold in (False, True):
+        base, mine = await _best_pair(lambda: raw_read(cold), lambda: tier_read(cold), repeats)
+        label = "cold" if cold else "warm"
+        rows.append(Row(name, f"disk read ({label})", total, mine, base, f"readinto ({label})"))
+    for i in range(chunks):
+        if not torch.equal(destination[i], sources[i % len(sources)].view(torch.uint8).reshape(-1)):
+            raise RuntimeError("disk round trip changed the data")
+    await tier.close()
+    return rows
+
+
+def bench_codecs(sample: torch.Tensor, repeats: int) -> list[dict[str, float | str]]:
+    """Per-layer segments of the sample, one thread, like the tiers encode them."""
+    layers = [sample[i].contiguous() for i in range(sample.shape[0])]
+    spec = SegmentSpec(sample.dtype, tuple(layers[0].shape))
+    raw = [memoryview(layer.view(torch.uint8).reshape(-1).numpy()) for layer in layers]
+    nbytes = sum(len(r) for r in raw)
+    results: list[dict[str, float | str]] = []
+    for name in CODECS:
+        codec = make_codec(name)
+        encoded = [codec.encode(r, spec) for r in raw]
+        stored = sum(len(memoryview(e).cast("B")) for e in encoded)
+        out = torch.empty_like(sample)
+        out_views = [memoryview(out[i].view(torch.uint8).reshape(-1).numpy()) for i in range(len(layers))]
+        encode_time = _best(lambda: _timed(lambda: [codec.encode(r, spec) for r in raw]), repeats)
+        decode_time = _best(
+            lambda: _timed(lambda: [codec.decode_into(e, spec, o) for e, o in zip(encoded, out_views, strict=True)]),
+            repeats,
+        )
+        row: dict[str, float | str] = {
+            "codec": codec.id,
+            "ratio": nbytes / stored,
+            "encode_mbps": nbytes / encode_time / 1e6,
+            "decode_mbps": nbytes / decode_time / 1e6,
+            "lossless": "yes" if codec.lossless else "no",
+        }
+        if codec.lossless:
+            if not torch.equal(out.view(torch.uint8), sample.view(torch.uint8)):
+                raise RuntimeError(f"{codec.id} is not bit-exact")
+        else:
+            error = roundtrip_error(sample, out)
+            row["error"] = f"rms rel {error['rms_rel']:.4f}, cosine {error['cosine']:.5f}"
+        results.append(row)
+    return results
+
+
+def load_kv_sample(path: Path) -> torch.Tensor:
+    """The shared real-KV sample: bf16 bit patterns saved as uint16 (loaded without pickle)."""
+    array = np.load(path, allow_pickle=False)
+    return torch.from_numpy(array).view(torch.bfloat16)
+
+
+def default_sample_path() -> Path | None:
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = base.parent / "shared" / "kv_smollm2_512tok_bf16bits.npy"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+async def run(mib: int, repeats: int, directory: Path | None, fsync: bool) -> tuple[list[Row], int]:
+    rows: list[Row] = []
+    workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=directory))
+    try:
+        for name, layout in LAYOUTS.items():
+            chunks = max(4, (mib << 20) // layout.chunk_nbytes)
+            rows += await bench_dram(name, layout, chunks, repeats)
+            layout_dir = workdir / name
+            layout_dir.mkdir()
+            rows += await bench_disk(name, layout, chunks, repeats, layout_dir, fsync)
+            shutil.rmtree(layout_dir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rows, mib
