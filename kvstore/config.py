@@ -13,9 +13,9 @@ import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -35,6 +35,19 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message says which and how to fix it."""
 
 
+_SIZE_TEXT = re.compile(r"\s*\d*\.?\d+\s*[A-Za-z]*\s*")
+
+
+def _strict_size(value: Any) -> Any:
+    """pydantic's ByteSize ignores what follows the first number and unit: '12,5GB' would be 12 bytes."""
+    if isinstance(value, str) and not _SIZE_TEXT.fullmatch(value):
+        raise ValueError(f"could not parse {value!r} as a size; write a number with an optional unit, e.g. '512MiB'")
+    return value
+
+
+Size = Annotated[ByteSize, BeforeValidator(_strict_size)]
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore"
 
@@ -50,7 +63,7 @@ class _Section(BaseModel):
 
 
 class DramConfig(_Section):
-    capacity: ByteSize = Field(ByteSize(1 << 30), description="bytes of the DRAM slab pool, e.g. '4GiB'")
+    capacity: Size = Field(ByteSize(1 << 30), description="bytes of the DRAM slab pool, e.g. '4GiB'")
     pin_memory: Literal["auto", "always", "never"] = Field(
         "auto", description="pin the pool (page-locked) when CUDA is present ('auto'), always, or never"
     )
@@ -59,7 +72,7 @@ class DramConfig(_Section):
 class DiskConfig(_Section):
     enabled: bool = True
     path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
-    capacity: ByteSize = Field(ByteSize(16 << 30), description="byte budget; least recently used files go first")
+    capacity: Size = Field(ByteSize(16 << 30), description="byte budget; least recently used files go first")
     codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'bytesplit'")
     fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
 
@@ -179,8 +192,10 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
         if error["type"] == "extra_forbidden":
             parent = key.rpartition(".")[0]
             siblings = sorted(p for p in paths if p.rpartition(".")[0] == parent)
-            hint = difflib.get_close_matches(key, siblings, n=1)
-            fix = f"did you mean '{hint[0]}'?" if hint else f"valid keys here: {', '.join(siblings)}"
+            # Compare leaf names only: the shared "section." prefix would make any name look close.
+            leaves = {p.rpartition(".")[2]: p for p in siblings}
+            hint = difflib.get_close_matches(key.rpartition(".")[2], list(leaves), n=1)
+            fix = f"did you mean '{leaves[hint[0]]}'?" if hint else f"valid keys here: {', '.join(siblings)}"
             lines.append(f"  {key}: unknown key; {fix}")
             continue
         message = error["msg"].removeprefix("Value error, ")

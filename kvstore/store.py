@@ -163,9 +163,6 @@ class KVStore:
     def _enqueue(self, tiers: Sequence[ChunkTier], key: ChunkKey, slot: int) -> None:
         """Hand the slot to each tier's queue, one reference per queued write."""
         for tier in tiers:
-            if tier.holds(key):
-                tier.stats.skipped += 1
-                continue
             queue = self._queues[self.tiers.index(tier)]
             if queue.full():
                 tier.stats.drops += 1

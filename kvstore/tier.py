@@ -58,6 +58,9 @@ class ChunkTier:
         try:
             if isinstance(self.backend, LocalBackend):
                 written = await in_thread(self._executor, self._write_local, key, chunk)
+                if written is None:
+                    self.stats.skipped += 1
+                    return
             else:
                 parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec)
                 await self.backend.set(key, parts)
@@ -68,9 +71,14 @@ class ChunkTier:
         self.stats.writes += 1
         self.stats.bytes_written += written
 
-    def _write_local(self, key: ChunkKey, chunk: memoryview) -> int:
-        """Encode and write layer batch by layer batch, then the header; one thread call."""
+    def _write_local(self, key: ChunkKey, chunk: memoryview) -> int | None:
+        """Encode and write layer batch by layer batch, then the header; one thread call.
+
+        None when the file is already there: a chunk's bytes never change under its key.
+        """
         assert isinstance(self.backend, LocalBackend)
+        if self.backend.holds(key) and self.backend.contains(key):
+            return None
         header_len = header_size(self.layout.num_layers, self.codec.id)
         segments: list[Segment] = []
         batch: list[memoryview] = []

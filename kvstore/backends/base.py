@@ -120,6 +120,10 @@ class LocalBackend(Backend):
     @abstractmethod
     def open_writer(self, key: str) -> ChunkWriter: ...
 
+    @abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether the object exists now (blocking; call it from a worker thread)."""
+
     def holds(self, key: str) -> bool:
-        """Whether the chunk is known to be here without any I/O (used to skip rewrites)."""
+        """Whether the object is known to be here without any I/O (a hint: it may be stale)."""
         return False

@@ -134,15 +134,17 @@ class DiskBackend(LocalBackend):
         with self._lock:
             if key in self._index:
                 return True
-        return await in_thread(self._executor, self._exists_on_disk, key)
+        return await in_thread(self._executor, self.contains, key)
 
-    def _exists_on_disk(self, key: str) -> bool:
+    def contains(self, key: str) -> bool:
+        """Whether the file exists now (one stat), whatever this process's index believes."""
         try:
             size = self.path_for(key).stat().st_size
         except FileNotFoundError:
             self._forget(key)
             return False
         self._remember(key, size)
+        self._evict_to(self.capacity_bytes, keep=key)  # it may be another process's file, new to our budget
         return True
 
     async def prefix_count(self, keys: Sequence[str]) -> int:
@@ -151,7 +153,7 @@ class DiskBackend(LocalBackend):
     def _prefix_count(self, keys: Sequence[str]) -> int:
         for count, key in enumerate(keys):
             # The index may be stale (another process evicted the file): check the file itself.
-            if not self._exists_on_disk(key):
+            if not self.contains(key):
                 return count
         return len(keys)
 
@@ -223,6 +225,8 @@ class DiskBackend(LocalBackend):
             elif size is not None:
                 self._index[key] = size
                 self._used += size
+        if size is not None:
+            self._evict_to(self.capacity_bytes, keep=key)  # no-op unless another process's file pushed us over
         try:
             os.utime(self.path_for(key))
         except OSError:
@@ -291,8 +295,8 @@ class FileWriter:
             if exc_type is None:
                 if self._backend.fsync:
                     os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = -1
+                fd, self._fd = self._fd, -1
+                os.close(fd)
                 os.replace(self._temporary, self._final)
                 committed = True
         finally:

@@ -1,0 +1,459 @@
+"""StoreConfig: keyword arguments > KVSTORE_* environment > TOML file > defaults, and errors that say
+which key is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore import ConfigError, StoreConfig
+from kvstore.codecs import CODECS
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    """No KVSTORE_* variable from the outer shell (or another test) may leak into these tests."""
+    for name in list(os.environ):
+        if name.upper().startswith("KVSTORE"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    # monkeypatch restores the environment after each test, so nothing set here leaks out either.
+
+
+def write_toml(tmp_path: Path, text: str, name: str = "kvstore.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_text(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
+    assert excinfo.type is ConfigError
+    return str(excinfo.value)
+
+
+def assert_mentions(text: str, *fragments: str) -> None:
+    for fragment in fragments:
+        assert fragment in text, f"{fragment!r} missing from error message:\n{text}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------
+
+
+def test_defaults(tmp_path):
+    config = StoreConfig()
+    assert config.dram.capacity == GiB
+    assert config.dram.pin_memory == "auto"
+    assert config.disk.enabled is True
+    assert config.disk.capacity == 16 * GiB
+    assert config.disk.codec == "identity"
+    assert config.disk.fsync is False
+    assert config.disk.path == tmp_path / "xdg-cache" / "kvstore"
+    assert (config.timeouts.get, config.timeouts.put, config.timeouts.close) == (5.0, 30.0, 10.0)
+    assert (config.queue_depth, config.tier_workers, config.io_threads) == (64, 2, 4)
+    assert StoreConfig.load() == config  # no path, no KVSTORE_CONFIG: defaults too
+
+
+def test_keyword_arguments(tmp_path):
+    config = StoreConfig(
+        dram={"capacity": "64MiB", "pin_memory": "never"},
+        disk={"path": tmp_path / "chunks", "codec": "bytesplit", "fsync": True},
+        timeouts={"get": 0.25},
+        queue_depth=8,
+        tier_workers=3,
+        io_threads=1,
+    )
+    assert config.dram.capacity == 64 * MiB
+    assert config.dram.pin_memory == "never"
+    assert config.disk.path == tmp_path / "chunks"
+    assert config.disk.codec == "bytesplit"
+    assert config.disk.fsync is True
+    assert config.disk.capacity == 16 * GiB  # untouched keys keep their defaults
+    assert config.timeouts.get == 0.25 and config.timeouts.put == 30.0
+    assert (config.queue_depth, config.tier_workers, config.io_threads) == (8, 3, 1)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("64MiB", 64 * MiB),
+        ("64 MiB", 64 * MiB),
+        ("1GiB", GiB),
+        ("1.5GiB", 3 * GiB // 2),
+        ("512KiB", 512 * 1024),
+        ("1GB", 10**9),
+        ("4096", 4096),
+        (4096, 4096),
+        ("0", 0),
+    ],
+)
+def test_size_strings(text, expected):
+    config = StoreConfig(dram={"capacity": text}, disk={"capacity": text})
+    assert config.dram.capacity == expected
+    assert config.disk.capacity == expected
+    assert int(config.dram.capacity) == expected
+
+
+def test_toml_file(tmp_path):
+    path = write_toml(
+        tmp_path,
+        f"""
+queue_depth = 5
+io_threads = 8
+
+[dram]
+capacity = "64MiB"
+pin_memory = "never"
+
+[disk]
+enabled = false
+path = "{tmp_path / 'disk'}"
+capacity = "2GiB"
+codec = "zstd:3"
+
+[timeouts]
+get = 1.5
+""",
+    )
+    config = StoreConfig.load(path)
+    assert config.queue_depth == 5 and config.io_threads == 8
+    assert config.tier_workers == 2  # default
+    assert config.dram.capacity == 64 * MiB and config.dram.pin_memory == "never"
+    assert config.disk.enabled is False
+    assert config.disk.path == tmp_path / "disk"
+    assert config.disk.capacity == 2 * GiB
+    assert config.disk.codec == "zstd:3"
+    assert config.timeouts.get == 1.5 and config.timeouts.put == 30.0
+    assert StoreConfig.load(str(path)) == config  # str or PathLike
+
+
+def test_toml_path_with_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_toml(tmp_path, "queue_depth = 11\n")
+    assert StoreConfig.load("~/kvstore.toml").queue_depth == 11
+
+
+def test_environment_variables(monkeypatch):
+    monkeypatch.setenv("KVSTORE_DRAM__CAPACITY", "128MiB")
+    monkeypatch.setenv("KVSTORE_DRAM__PIN_MEMORY", "always")
+    monkeypatch.setenv("KVSTORE_DISK__ENABLED", "false")
+    monkeypatch.setenv("KVSTORE_DISK__CODEC", "bytesplit")
+    monkeypatch.setenv("KVSTORE_TIMEOUTS__GET", "0.5")
+    monkeypatch.setenv("KVSTORE_QUEUE_DEPTH", "9")
+    config = StoreConfig()
+    assert config.dram.capacity == 128 * MiB
+    assert config.dram.pin_memory == "always"
+    assert config.disk.enabled is False
+    assert config.disk.codec == "bytesplit"
+    assert config.timeouts.get == 0.5
+    assert config.queue_depth == 9
+    assert StoreConfig.load() == config
+
+
+def test_a_whole_section_as_json_in_one_variable(monkeypatch):
+    monkeypatch.setenv("KVSTORE_DRAM", '{"capacity": "32MiB", "pin_memory": "never"}')
+    config = StoreConfig()
+    assert config.dram.capacity == 32 * MiB and config.dram.pin_memory == "never"
+
+
+def test_kvstore_config_names_the_toml_file(tmp_path, monkeypatch):
+    path = write_toml(tmp_path, 'tier_workers = 7\n[dram]\ncapacity = "3MiB"\n')
+    monkeypatch.setenv("KVSTORE_CONFIG", str(path))
+    config = StoreConfig.load()
+    assert config.tier_workers == 7
+    assert config.dram.capacity == 3 * MiB
+
+
+def test_explicit_path_beats_kvstore_config(tmp_path, monkeypatch):
+    from_env = write_toml(tmp_path, "tier_workers = 7\n", "env.toml")
+    explicit = write_toml(tmp_path, "tier_workers = 9\n", "explicit.toml")
+    monkeypatch.setenv("KVSTORE_CONFIG", str(from_env))
+    assert StoreConfig.load(explicit).tier_workers == 9
+
+
+def test_the_toml_file_does_not_stick_to_later_configs(tmp_path):
+    path = write_toml(tmp_path, "tier_workers = 7\n")
+    assert StoreConfig.load(path).tier_workers == 7
+    assert StoreConfig().tier_workers == 2
+    assert StoreConfig.load().tier_workers == 2
+
+
+def test_precedence_kwargs_over_env_over_toml_over_defaults(tmp_path, monkeypatch):
+    path = write_toml(
+        tmp_path,
+        """
+queue_depth = 1
+tier_workers = 11
+io_threads = 21
+
+[dram]
+capacity = "1MiB"
+pin_memory = "never"
+
+[timeouts]
+get = 1.0
+put = 2.0
+""",
+    )
+    monkeypatch.setenv("KVSTORE_QUEUE_DEPTH", "2")
+    monkeypatch.setenv("KVSTORE_TIER_WORKERS", "12")
+    monkeypatch.setenv("KVSTORE_DRAM__CAPACITY", "2MiB")
+    monkeypatch.setenv("KVSTORE_TIMEOUTS__GET", "3")
+    config = StoreConfig.load(path, queue_depth=3, dram={"capacity": "3MiB"})
+    assert config.queue_depth == 3  # kwargs > env > toml
+    assert config.tier_workers == 12  # env > toml
+    assert config.io_threads == 21  # toml > default
+    assert config.dram.capacity == 3 * MiB  # nested: kwargs > env > toml
+    assert config.dram.pin_memory == "never"  # nested keys merge across sources
+    assert config.timeouts.get == 3.0  # nested: env > toml
+    assert config.timeouts.put == 2.0  # nested: toml > default
+    assert config.timeouts.close == 10.0  # default
+    assert StoreConfig.load(path).queue_depth == 2  # without kwargs, env wins over the file
+
+
+def test_kwargs_beat_env_without_a_file(monkeypatch):
+    monkeypatch.setenv("KVSTORE_IO_THREADS", "16")
+    assert StoreConfig().io_threads == 16
+    assert StoreConfig(io_threads=5).io_threads == 5
+
+
+def test_valid_assignment_is_validated_and_converted():
+    config = StoreConfig()
+    config.queue_depth = 3
+    config.dram.capacity = "2MiB"
+    assert config.queue_depth == 3
+    assert config.dram.capacity == 2 * MiB
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: always ConfigError, naming the key and a fix
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_error_is_a_public_value_error():
+    assert kvstore.ConfigError is ConfigError
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_unknown_top_level_keyword_suggests_the_right_one():
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(queue_dept=3)
+    assert_mentions(error_text(excinfo), "queue_dept", "unknown key", "did you mean 'queue_depth'")
+
+
+def test_unknown_top_level_key_in_toml(tmp_path):
+    path = write_toml(tmp_path, "io_thread = 3\n")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(path)
+    assert_mentions(error_text(excinfo), "io_thread", "did you mean 'io_threads'")
+
+
+def test_unknown_nested_key_in_toml_names_the_dotted_key(tmp_path):
+    path = write_toml(tmp_path, '[dram]\ncapcity = "1GiB"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(path)
+    assert_mentions(error_text(excinfo), "dram.capcity", "unknown key", "did you mean 'dram.capacity'")
+
+
+def test_unknown_nested_key_without_a_close_match_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(timeouts={"zzzzzz": 1})
+    assert_mentions(error_text(excinfo), "timeouts.zzzzzz", "timeouts.get", "timeouts.put", "timeouts.close")
+
+
+def test_unknown_section_suggests_the_right_one(tmp_path):
+    path = write_toml(tmp_path, '[dramm]\ncapacity = "1GiB"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(path)
+    assert_mentions(error_text(excinfo), "dramm", "did you mean 'dram'")
+
+
+@pytest.mark.parametrize("codec", ["snappy", "zstd+snappy", "ZSTD"])
+def test_unknown_codec_lists_the_valid_ones(codec):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(disk={"codec": codec})
+    text = error_text(excinfo)
+    assert_mentions(text, "disk.codec", repr(codec))
+    for name in CODECS:
+        assert_mentions(text, name)
+
+
+@pytest.mark.parametrize(
+    "codec, fragment",
+    [
+        ("zstd:99", "between"),
+        ("bytesplit:99", "between"),
+        ("zstd:fast", "integer"),
+        ("lz4:3", "takes no level"),
+        ("zstd+bytesplit", "must come first"),
+        ("", "valid stages"),
+    ],
+)
+def test_bad_codec_pipelines_fail_at_load_not_at_first_use(codec, fragment):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(disk={"codec": codec})
+    assert_mentions(error_text(excinfo), "disk.codec", fragment)
+
+
+def test_bad_codec_from_env(monkeypatch):
+    monkeypatch.setenv("KVSTORE_DISK__CODEC", "brotli")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), "disk.codec", "brotli", "bytesplit")
+
+
+@pytest.mark.parametrize(
+    "kwargs, key, fix",
+    [
+        ({"tier_workers": 0}, "tier_workers", "greater than or equal to 1"),
+        ({"tier_workers": 65}, "tier_workers", "less than or equal to 64"),
+        ({"io_threads": 0}, "io_threads", "greater than or equal to 1"),
+        ({"io_threads": 257}, "io_threads", "less than or equal to 256"),
+        ({"queue_depth": 0}, "queue_depth", "greater than or equal to 1"),
+        ({"queue_depth": -5}, "queue_depth", "greater than or equal to 1"),
+        ({"timeouts": {"get": 0}}, "timeouts.get", "greater than 0"),
+        ({"timeouts": {"put": -1.0}}, "timeouts.put", "greater than 0"),
+        ({"timeouts": {"close": float("nan")}}, "timeouts.close", "greater than 0"),
+        ({"queue_depth": "many"}, "queue_depth", "valid integer"),
+        ({"dram": {"pin_memory": "sometimes"}}, "dram.pin_memory", "'auto'"),
+        ({"disk": {"fsync": "perhaps"}}, "disk.fsync", "valid boolean"),
+    ],
+)
+def test_out_of_range_or_mistyped_values_name_the_key_and_the_bound(kwargs, key, fix):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(**kwargs)
+    text = error_text(excinfo)
+    assert_mentions(text, f"{key} = ", fix)
+
+
+@pytest.mark.parametrize("size", ["64 potatoes", "lots", "-1GiB", "MiB", "1.5.3MiB", "12,5GB", "4GiB of RAM", "64MiB!"])
+def test_unparseable_size_names_the_key_and_an_example(size):
+    """Includes text that pydantic's ByteSize alone would half-read ('12,5GB' as 12 bytes)."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(dram={"capacity": size})
+    assert_mentions(error_text(excinfo), "dram.capacity", repr(size), "e.g. '4GiB'")
+
+
+def test_unparseable_size_from_env_and_toml(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_DISK__CAPACITY", "huge")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), "disk.capacity", "'huge'")
+    monkeypatch.delenv("KVSTORE_DISK__CAPACITY")
+    path = write_toml(tmp_path, '[dram]\ncapacity = "12 parsecs"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(path)
+    assert_mentions(error_text(excinfo), "dram.capacity", "12 parsecs")
+
+
+def test_several_problems_are_reported_together():
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(tier_workers=0, dram={"capacity": "lots"}, bogus=1)
+    assert_mentions(error_text(excinfo), "tier_workers", "dram.capacity", "bogus")
+
+
+@pytest.mark.parametrize(
+    "name, fix",
+    [
+        ("KVSTORE_DRAM__CAPACTY", "did you mean KVSTORE_DRAM__CAPACITY?"),
+        ("KVSTORE_QUEUE_DEPT", "did you mean KVSTORE_QUEUE_DEPTH?"),
+        ("KVSTORE_DISK_CODEC", "did you mean KVSTORE_DISK__CODEC?"),  # single underscore
+        ("KVSTORE_COMPLETELY_UNRELATED_THING", "valid:"),
+    ],
+)
+def test_unknown_kvstore_env_var(monkeypatch, name, fix):
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), name, fix)
+    with pytest.raises(ConfigError):
+        StoreConfig.load()  # every way in checks the environment
+
+
+def test_unknown_lowercase_env_var_is_not_silently_ignored(monkeypatch):
+    """pydantic-settings matches env names case-insensitively, so a lowercase typo must fail too."""
+    monkeypatch.setenv("kvstore_dram__capcity", "1GiB")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), "capcity", "capacity")
+
+
+def test_section_variable_that_is_not_json(monkeypatch):
+    monkeypatch.setenv("KVSTORE_DRAM", "4GiB")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), "KVSTORE_DRAM", "JSON", "KVSTORE_SECTION__KEY")
+
+
+def test_missing_config_file_from_path(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(missing)
+    assert_mentions(error_text(excinfo), str(missing), "does not exist", "existing TOML file")
+
+
+def test_missing_config_file_from_kvstore_config(tmp_path, monkeypatch):
+    missing = tmp_path / "nope.toml"
+    monkeypatch.setenv("KVSTORE_CONFIG", str(missing))
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load()
+    assert_mentions(error_text(excinfo), str(missing), "KVSTORE_CONFIG", "unset")
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(tmp_path)
+    assert_mentions(error_text(excinfo), str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"[dram\ncapacity = 1\n", b'queue_depth = "unterminated\n', b"queue_depth = 1\nqueue_depth = 2\n", b"\xff\xfe\x00"],
+    ids=["bad-table", "bad-string", "duplicate-key", "not-utf8"],
+)
+def test_malformed_toml_is_a_config_error_naming_the_file(tmp_path, content):
+    path = tmp_path / "broken.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(path)
+    assert_mentions(error_text(excinfo), str(path), "TOML")
+
+
+def test_wrong_type_for_a_section_in_toml(tmp_path):
+    path = write_toml(tmp_path, "dram = 5\n")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig.load(path)
+    assert_mentions(error_text(excinfo), "dram")
+
+
+def test_invalid_assignment_raises_config_error_and_keeps_the_old_value():
+    config = StoreConfig()
+    with pytest.raises(ConfigError) as excinfo:
+        config.tier_workers = 0
+    assert_mentions(error_text(excinfo), "tier_workers", "greater than or equal to 1")
+    assert config.tier_workers == 2
+    with pytest.raises(ConfigError) as excinfo:
+        config.dram.capacity = "lots"
+    assert_mentions(error_text(excinfo), "capacity", "e.g. '4GiB'")
+    assert config.dram.capacity == GiB
+    with pytest.raises(ConfigError) as excinfo:
+        config.disk.codec = "snappy"
+    assert_mentions(error_text(excinfo), "codec", "bytesplit")
+    assert config.disk.codec == "identity"
+    with pytest.raises(ConfigError):
+        config.no_such_field = 1
+
+
+def test_errors_chain_no_pydantic_traceback():
+    """The ConfigError is the whole story: no pydantic ValidationError chained behind it."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(queue_depth=0)
+    assert excinfo.value.__cause__ is None
+    assert excinfo.value.__suppress_context__ is True

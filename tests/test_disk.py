@@ -1,0 +1,894 @@
+"""DiskBackend (one file per chunk, atomic, private, bounded, restart-proof) and ChunkTier over it."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backends.base import Backend, ByteRange
+from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
+from kvstore.buffers import Buffer, as_bytes_view, tensor_bytes
+from kvstore.codecs import make_codec
+from kvstore.dram import SlabPool
+from kvstore.format import encode_chunk, header_size
+from kvstore.layout import KVLayout
+from kvstore.tier import ChunkTier
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)
+CODECS = ["identity", "bytesplit", "zstd"]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def hexkey(name: object) -> str:
+    """A 64-hex chunk key (the shape chunk_keys produces)."""
+    return hashlib.sha256(str(name).encode()).hexdigest()
+
+
+def make_chunk(seed: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
+    """A deterministic random chunk of ``layout``'s shape and dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.chunk_shape, generator=generator, dtype=torch.float32).to(layout.dtype)
+
+
+def chunk_view(chunk: torch.Tensor) -> memoryview:
+    return tensor_bytes(chunk)
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(Path(dirpath) / name for dirpath, _, names in os.walk(root) for name in names)
+
+
+def temporaries_under(root: Path) -> list[Path]:
+    return [path for path in files_under(root) if ".tmp-" in path.name]
+
+
+def set_mtime(path: Path, when: float) -> None:
+    os.utime(path, (when, when))
+
+
+async def collect(iterator: AsyncIterator[str]) -> list[str]:
+    return [item async for item in iterator]
+
+
+async def open_backend(root: Path, capacity: int = 1 << 30, **kwargs) -> DiskBackend:
+    backend = DiskBackend(root, capacity, **kwargs)
+    await backend.open()
+    return backend
+
+
+def make_tier(backend: Backend, codec: str, layout: KVLayout = LAYOUT) -> ChunkTier:
+    return ChunkTier(backend, make_codec(codec), layout, None)
+
+
+@pytest.fixture
+async def disk(tmp_path: Path) -> AsyncIterator[DiskBackend]:
+    backend = await open_backend(tmp_path / "disk")
+    yield backend
+    await backend.close()
+
+
+# == DiskBackend: the basic interface ==========================================================
+
+
+async def test_set_get_exists_delete(disk: DiskBackend):
+    key = hexkey("a")
+    assert await disk.get(key) is None
+    assert not await disk.exists(key)
+
+    await disk.set(key, [b"hello ", bytearray(b"kv "), memoryview(b"world")])
+    assert await disk.exists(key)
+    assert await disk.get(key) == b"hello kv world"
+    assert disk.holds(key)
+
+    await disk.delete(key)
+    assert not await disk.exists(key)
+    assert await disk.get(key) is None
+    assert not disk.holds(key)
+    await disk.delete(key)  # deleting an absent object is not an error
+    assert disk.stats()["files"] == 0
+    assert disk.stats()["bytes_used"] == 0
+
+
+async def test_set_overwrites_and_accounts_the_new_size(disk: DiskBackend):
+    key = hexkey("a")
+    await disk.set(key, [b"x" * 100])
+    await disk.set(key, [b"y" * 40])
+    assert await disk.get(key) == b"y" * 40
+    assert disk.stats()["files"] == 1
+    assert disk.stats()["bytes_used"] == 40
+
+
+async def test_get_with_byte_range(disk: DiskBackend):
+    key = hexkey("a")
+    await disk.set(key, [bytes(range(100))])
+    assert await disk.get(key, (0, 10)) == bytes(range(10))
+    assert await disk.get(key, (10, 25)) == bytes(range(10, 25))
+    assert await disk.get(key, (95, 200)) == bytes(range(95, 100))  # clipped at the end
+    assert await disk.get(key, (50, 50)) == b""
+    assert await disk.get(key, (200, 300)) == b""
+    assert await disk.get(hexkey("absent"), (0, 10)) is None
+
+
+async def test_get_into_scatter_reads_leading_bytes(disk: DiskBackend):
+    key = hexkey("a")
+    payload = bytes(range(256)) * 4  # 1024 bytes
+    await disk.set(key, [payload[:300], payload[300:]])
+
+    first, second, third = bytearray(10), bytearray(500), bytearray(600)
+    size = await disk.get_into(key, [memoryview(first), memoryview(second), memoryview(third)])
+    assert size == 1024
+    assert bytes(first) == payload[:10]
+    assert bytes(second) == payload[10:510]
+    assert bytes(third[:514]) == payload[510:]
+    assert bytes(third[514:]) == bytes(86)  # beyond the file: untouched
+
+    short = bytearray(b"\xff" * 16)
+    assert await disk.get_into(key, [memoryview(short)]) == 1024  # the object's size, not the bytes read
+    assert bytes(short) == payload[:16]
+
+    assert await disk.get_into(hexkey("absent"), [memoryview(bytearray(8))]) is None
+
+
+async def test_get_into_many_small_buffers(disk: DiskBackend):
+    # more buffers than one preadv may take at once (IOV_MAX is 1024)
+    key = hexkey("many")
+    payload = os.urandom(3000)
+    await disk.set(key, [payload])
+    buffers = [bytearray(1) for _ in range(2500)] + [bytearray(1000)]
+    assert await disk.get_into(key, [memoryview(b) for b in buffers]) == 3000
+    assert b"".join(bytes(b) for b in buffers[:2500]) == payload[:2500]
+    assert bytes(buffers[-1][:500]) == payload[2500:]
+
+
+async def test_set_with_many_parts(disk: DiskBackend):
+    key = hexkey("parts")
+    parts = [bytes([i % 256]) * 3 for i in range(2100)]  # more parts than one writev may take
+    await disk.set(key, parts)
+    assert await disk.get(key) == b"".join(parts)
+
+
+async def test_list_keys(disk: DiskBackend):
+    keys = {hexkey(i) for i in range(20)}
+    for key in keys:
+        await disk.set(key, [b"data"])
+    assert set(await collect(disk.list_keys())) == keys
+    prefix = sorted(keys)[0][:1]
+    assert set(await collect(disk.list_keys(prefix))) == {k for k in keys if k.startswith(prefix)}
+    assert await collect(disk.list_keys("zz")) == []
+    await disk.delete(sorted(keys)[0])
+    assert set(await collect(disk.list_keys())) == keys - {sorted(keys)[0]}
+
+
+async def test_prefix_count_checks_the_files(disk: DiskBackend):
+    keys = [hexkey(i) for i in range(5)]
+    for key in keys[:3]:
+        await disk.set(key, [b"x"])
+    assert await disk.prefix_count(keys) == 3
+    assert await disk.prefix_count(keys[:2]) == 2
+    assert await disk.prefix_count([]) == 0
+    os.unlink(disk.path_for(keys[1]))  # removed behind the index's back (another process)
+    assert await disk.prefix_count(keys) == 1
+
+
+# == DiskBackend: paths and permissions ========================================================
+
+
+async def test_layout_and_private_permissions(tmp_path: Path):
+    root = tmp_path / "cache" / "disk"
+    backend = await open_backend(root)
+    key = hexkey("perm")
+    await backend.set(key, [b"secret prompt kv"])
+
+    path = root / key[:2] / key[2:4] / f"{key}.kvc"
+    assert backend.path_for(key) == path
+    assert path.is_file()
+    assert files_under(root) == [path]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for directory in (root, root / key[:2], root / key[:2] / key[2:4]):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+
+async def test_directories_are_private_even_without_open(tmp_path: Path):
+    root = tmp_path / "never-opened"
+    backend = DiskBackend(root, 1 << 20)  # a write before open() must still create 0700 directories
+    key = hexkey("x")
+    await backend.set(key, [b"data"])
+    path = backend.path_for(key)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for directory in (root, path.parent.parent, path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+
+@pytest.mark.parametrize("bad", ["../etc", "../../../../tmp/x", "ABCDEF0123", "abc", "", "0123456789abcdeg", "/etc/passwd", "a" * 129])
+async def test_keys_that_are_not_lowercase_hex_are_rejected(tmp_path: Path, bad: str):
+    root = tmp_path / "disk"
+    backend = await open_backend(root)
+    with pytest.raises(ValueError):
+        backend.path_for(bad)
+    with pytest.raises(ValueError):
+        await backend.set(bad, [b"data"])
+    with pytest.raises(ValueError):
+        await backend.get(bad)
+    with pytest.raises(ValueError):
+        await backend.delete(bad)
+    # nothing was written anywhere, inside the root or beside it
+    assert files_under(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]
+
+
+async def test_a_removed_shard_directory_is_recreated(disk: DiskBackend):
+    # Someone cleared the cache directory while the engine runs: writes must not fail forever.
+    key = hexkey("a")
+    await disk.set(key, [b"one"])
+    shutil.rmtree(disk.root / key[:2])
+    await disk.set(key, [b"two"])
+    assert await disk.get(key) == b"two"
+
+
+# == DiskBackend: atomicity ====================================================================
+
+
+async def test_no_temporary_files_remain_after_writes(disk: DiskBackend):
+    for i in range(50):
+        await disk.set(hexkey(i % 10), [os.urandom(100 + i)])
+    assert temporaries_under(disk.root) == []
+    assert len(files_under(disk.root)) == 10
+
+
+async def test_a_failed_write_leaves_no_temporary_and_keeps_the_old_file(disk: DiskBackend, monkeypatch):
+    key = hexkey("a")
+    await disk.set(key, [b"old contents"])
+
+    def broken_write(fd, *args):
+        os.write(fd, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvstore.backends.disk._write_fully", broken_write)
+    with pytest.raises(OSError) as info:
+        await disk.set(key, [b"new contents that never land"])
+    assert info.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        await disk.set(hexkey("b"), [b"fresh"])
+    monkeypatch.undo()
+
+    assert temporaries_under(disk.root) == []
+    assert await disk.get(key) == b"old contents"
+    assert await disk.get(hexkey("b")) is None
+    assert disk.stats()["bytes_used"] == len(b"old contents")
+
+
+async def test_a_reader_never_sees_a_partial_file(disk: DiskBackend):
+    key = hexkey("big")
+    size = 4 << 20
+    versions = [bytes([value]) * size for value in (0x11, 0x22, 0x33)]
+    await disk.set(key, [versions[0]])
+    writes_done = asyncio.Event()
+    seen: list[int] = []
+
+    async def writer() -> None:
+        for i in range(24):
+            await disk.set(key, [versions[i % 3]])
+        writes_done.set()
+
+    async def reader() -> None:
+        out = bytearray(size + 1)
+        while not writes_done.is_set():
+            data = await disk.get(key)
+            assert data is not None and len(data) == size
+            assert data in versions, "a read saw a torn or partial file"
+            got = await disk.get_into(key, [memoryview(out)])
+            assert got == size
+            assert bytes(out[:size]) in versions
+            seen.append(data[0])
+
+    await asyncio.wait_for(asyncio.gather(writer(), reader()), timeout=30)
+    assert seen, "the reader never ran"
+    assert temporaries_under(disk.root) == []
+
+
+# == DiskBackend: byte budget and LRU ==========================================================
+
+
+async def test_budget_evicts_least_recently_used(tmp_path: Path):
+    backend = await open_backend(tmp_path / "disk", capacity=3000)
+    a, b, c, d = (hexkey(n) for n in "abcd")
+    for key in (a, b, c):
+        await backend.set(key, [os.urandom(1000)])
+    assert backend.stats()["bytes_used"] == 3000
+
+    assert await backend.get(a) is not None  # a hit refreshes "a": "b" is now the oldest
+    await backend.set(d, [os.urandom(1000)])
+    assert backend.stats()["bytes_used"] <= 3000
+    assert not backend.path_for(b).exists()
+    assert await backend.get(b) is None
+    for key in (a, c, d):
+        assert backend.path_for(key).exists()
+    assert backend.stats()["evictions"] == 1
+
+    # get_into and byte-range gets refresh recency too
+    assert await backend.get_into(c, [memoryview(bytearray(10))]) == 1000
+    assert await backend.get(a, (0, 10)) is not None
+    await backend.set(b, [os.urandom(1000)])  # evicts "d", now the least recent
+    assert not backend.path_for(d).exists()
+    assert {k for k in (a, b, c, d) if backend.path_for(k).exists()} == {a, b, c}
+
+
+async def test_bytes_used_never_exceeds_capacity(tmp_path: Path):
+    capacity = 10_000
+    backend = await open_backend(tmp_path / "disk", capacity=capacity)
+    sizes = [700, 1300, 2500, 90, 4000, 333, 1700, 5000, 10, 2222] * 5
+    for i, size in enumerate(sizes):
+        await backend.set(hexkey(i % 17), [os.urandom(size)])
+        stats = backend.stats()
+        assert stats["bytes_used"] <= capacity
+        on_disk = sum(path.stat().st_size for path in files_under(backend.root))
+        assert on_disk == stats["bytes_used"]
+        assert len(files_under(backend.root)) == stats["files"]
+    assert backend.stats()["evictions"] > 0
+
+
+async def test_the_newest_write_is_never_its_own_victim(tmp_path: Path):
+    backend = await open_backend(tmp_path / "disk", capacity=1000)
+    await backend.set(hexkey("a"), [b"a" * 600])
+    await backend.set(hexkey("b"), [b"b" * 1000])  # exactly the capacity: everything else goes
+    assert await backend.get(hexkey("b")) == b"b" * 1000
+    assert await backend.get(hexkey("a")) is None
+    assert backend.stats()["bytes_used"] == 1000
+
+
+async def test_an_object_larger_than_the_capacity_is_refused(tmp_path: Path):
+    backend = await open_backend(tmp_path / "disk", capacity=1000)
+    await backend.set(hexkey("small"), [b"s" * 500])
+    with pytest.raises(OSError) as info:
+        await backend.set(hexkey("huge"), [b"h" * 600, b"h" * 401])
+    assert info.value.errno == errno.EFBIG
+    assert "capacity" in str(info.value)
+    assert not backend.path_for(hexkey("huge")).exists()
+    assert temporaries_under(backend.root) == []
+    # nothing was evicted to make room for it
+    assert await backend.get(hexkey("small")) == b"s" * 500
+    assert backend.stats()["evictions"] == 0
+
+
+# == DiskBackend: restarts =====================================================================
+
+
+async def test_restart_rebuilds_the_index_by_scanning(tmp_path: Path):
+    root = tmp_path / "disk"
+    first = await open_backend(root)
+    contents = {hexkey(i): os.urandom(100 + i) for i in range(12)}
+    for key, data in contents.items():
+        await first.set(key, [data])
+    await first.close()
+
+    second = DiskBackend(root, 1 << 30)
+    await second.open()
+    stats = second.stats()
+    assert stats["files"] == 12
+    assert stats["bytes_used"] == sum(len(d) for d in contents.values())
+    for key, data in contents.items():
+        assert second.holds(key)
+        assert await second.get(key) == data
+    assert set(await collect(second.list_keys())) == set(contents)
+
+
+async def test_a_hit_touches_mtime_so_lru_order_survives_restart(tmp_path: Path):
+    root = tmp_path / "disk"
+    first = await open_backend(root, capacity=3000)
+    a, b, c, d = (hexkey(n) for n in "abcd")
+    for key in (a, b, c):
+        await first.set(key, [os.urandom(1000)])
+    # Explicit, well-separated mtimes: file timestamps are coarse (a clock tick).
+    now = time.time()
+    for age, key in ((300, a), (200, b), (100, c)):
+        set_mtime(first.path_for(key), now - age)
+
+    assert await first.get(a) is not None  # touches the file
+    assert first.path_for(a).stat().st_mtime > now - 60
+    assert first.path_for(b).stat().st_mtime == pytest.approx(now - 200, abs=1)
+    await first.close()
+
+    second = await open_backend(root, capacity=3000)
+    assert second.stats()["files"] == 3
+    await second.set(d, [os.urandom(1000)])  # evicts "b": the oldest after "a" was refreshed
+    assert not second.path_for(b).exists()
+    assert all(second.path_for(k).exists() for k in (a, c, d))
+
+
+async def test_get_into_touches_mtime(disk: DiskBackend):
+    key = hexkey("a")
+    await disk.set(key, [b"x" * 10])
+    old = time.time() - 1000
+    set_mtime(disk.path_for(key), old)
+    assert await disk.get_into(key, [memoryview(bytearray(10))]) == 10
+    assert disk.path_for(key).stat().st_mtime > old + 500
+
+
+async def test_restart_with_a_smaller_budget_evicts_the_oldest(tmp_path: Path):
+    root = tmp_path / "disk"
+    first = await open_backend(root)
+    keys = [hexkey(i) for i in range(5)]
+    now = time.time()
+    for age, key in zip((500, 100, 400, 200, 300), keys):
+        await first.set(key, [os.urandom(1000)])
+        set_mtime(first.path_for(key), now - age)
+
+    second = await open_backend(root, capacity=2500)
+    assert second.stats()["bytes_used"] <= 2500
+    survivors = {key for key in keys if second.path_for(key).exists()}
+    assert survivors == {keys[1], keys[3]}  # the two most recent (ages 100 and 200)
+    assert second.stats()["files"] == 2
+
+
+async def test_restart_sweeps_stale_temporaries_and_keeps_fresh_ones(tmp_path: Path):
+    root = tmp_path / "disk"
+    first = await open_backend(root)
+    key = hexkey("a")
+    await first.set(key, [b"real"])
+    shard = first.path_for(key).parent
+    stale = shard / f"{key}.kvc.tmp-12345-deadbeef"
+    fresh = shard / f"{key}.kvc.tmp-12346-cafebabe"
+    other_shard = root / "00" / "11"
+    other_shard.mkdir(parents=True)
+    stale_elsewhere = other_shard / f"0011{'0' * 60}.kvc.tmp-1-00000000"
+    for path in (stale, fresh, stale_elsewhere):
+        path.write_bytes(b"half-written")
+    now = time.time()
+    set_mtime(stale, now - STALE_TMP_SECONDS - 60)
+    set_mtime(stale_elsewhere, now - 10 * STALE_TMP_SECONDS)
+    set_mtime(fresh, now - STALE_TMP_SECONDS / 2)  # maybe a live writer in another process
+    unrelated = shard / "notes.txt"
+    unrelated.write_bytes(b"not ours")
+
+    second = await open_backend(root)
+    assert not stale.exists()
+    assert not stale_elsewhere.exists()
+    assert fresh.exists()
+    assert unrelated.exists()  # files that are not ours are left alone
+    stats = second.stats()
+    assert stats["files"] == 1
+    assert stats["bytes_used"] == len(b"real")
+    assert await collect(second.list_keys()) == [key]
+    assert await second.get(key) == b"real"
+
+
+# == two processes sharing one directory =======================================================
+
+BIG = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, chunk_tokens=64)  # 256 KiB chunks
+VERSIONS = 3
+
+WRITER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import torch
+    from kvstore.backends.disk import DiskBackend
+    from kvstore.buffers import tensor_bytes
+    from kvstore.codecs import make_codec
+    from kvstore.layout import KVLayout
+    from kvstore.format import encode_chunk
+
+    root, duration, versions = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    keys = sys.argv[4].split(",")
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, chunk_tokens=64)
+
+    def make_chunk(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(layout.chunk_shape, generator=generator, dtype=torch.float32).to(layout.dtype)
+
+    async def main():
+        backend = DiskBackend(root, 1 << 30)
+        await backend.open()
+        # alternate codecs so the reader meets files of different sizes under one name; write
+        # through the backend, which always replaces (the tier skips a key it already has)
+        codecs = [make_codec(name) for name in ("identity", "zstd")]
+        chunks = [[make_chunk(1000 * k + v) for v in range(versions)] for k in range(len(keys))]
+        print("ready", flush=True)
+        deadline = time.monotonic() + duration
+        rounds = 0
+        while time.monotonic() < deadline:
+            for k, key in enumerate(keys):
+                chunk = tensor_bytes(chunks[k][(rounds + k) % versions])
+                backend.write(key, encode_chunk(layout, key, chunk, codecs[(rounds + k) % 2]))
+            rounds += 1
+        await backend.delete(keys[0])
+        print("rounds", rounds, flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_two_processes_share_a_directory_without_torn_reads(tmp_path: Path):
+    root = tmp_path / "shared"
+    keys = [hexkey(f"shared-{i}") for i in range(6)]
+    expected = {
+        key: {tensor_bytes(make_chunk(1000 * k + v, BIG)).tobytes() for v in range(VERSIONS)}
+        for k, key in enumerate(keys)
+    }
+    backend = await open_backend(root)  # opened before the other process wrote anything
+    assert backend.stats()["files"] == 0
+    readers = [make_tier(backend, "identity", BIG), make_tier(backend, "bytesplit", BIG)]
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(root), "2.0", str(VERSIONS), ",".join(keys)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), timeout=60)
+        assert line.strip() == "ready", process.stderr.read() if not line else line
+
+        hits, versions_seen = 0, {key: set() for key in keys}
+        out = bytearray(BIG.chunk_nbytes)
+        deadline = time.monotonic() + 30
+        while process.poll() is None and time.monotonic() < deadline:
+            for key in keys:
+                for tier in readers:
+                    out[:] = bytes(len(out))
+                    if await tier.read_into(key, memoryview(out)):
+                        data = bytes(out)
+                        assert data in expected[key], "a read returned KV that was never written (torn or mixed)"
+                        versions_seen[key].add(data)
+                        hits += 1
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr
+    rounds = int(stdout.split()[-1])
+    assert rounds > 1
+
+    for tier in readers:
+        assert tier.stats.corrupt == 0
+        assert tier.stats.errors == 0
+        assert tier.stats.hits > 0
+    assert hits > 0
+    # the other process's rewrites were observed as different, whole versions
+    assert any(len(seen) > 1 for seen in versions_seen.values())
+
+    # files the other process wrote are found, and the one it deleted is a miss here
+    for key in keys[1:]:
+        assert await backend.exists(key)
+        out = bytearray(BIG.chunk_nbytes)
+        assert await readers[0].read_into(key, memoryview(out))
+        assert bytes(out) in expected[key]
+    misses = readers[0].stats.misses
+    assert not await readers[0].read_into(keys[0], memoryview(bytearray(BIG.chunk_nbytes)))
+    assert readers[0].stats.misses == misses + 1
+    assert await backend.prefix_count(keys) == 0
+    assert await backend.prefix_count(keys[1:]) == len(keys) - 1
+    assert temporaries_under(root) == []
+
+
+# == ChunkTier =================================================================================
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_tier_roundtrip_is_bit_exact(disk: DiskBackend, codec: str):
+    tier = make_tier(disk, codec)
+    key, chunk = hexkey("chunk"), make_chunk(1)
+    await tier.write(key, chunk_view(chunk))
+    assert tier.holds(key)
+    assert tier.stats.writes == 1
+    stored = disk.path_for(key).stat().st_size
+    assert tier.stats.bytes_written == stored
+
+    out = torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+    assert await tier.read_into(key, tensor_bytes(out)) is True
+    assert torch.equal(out.view(torch.int16), chunk.view(torch.int16))  # bit-exact, NaN-proof
+    assert tier.stats.hits == 1
+    assert tier.stats.misses == 0 and tier.stats.corrupt == 0 and tier.stats.errors == 0
+    assert tier.stats.bytes_read == stored
+    assert tier.stats_dict()["codec"] == make_codec(codec).id
+    assert tier.stats_dict()["files"] == 1
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_tier_reads_straight_into_a_dram_slot(disk: DiskBackend, codec: str):
+    pool = SlabPool(LAYOUT, 4 * LAYOUT.chunk_nbytes)
+    tier = make_tier(disk, codec)
+    chunks = {hexkey(i): make_chunk(i) for i in range(3)}
+    for key, chunk in chunks.items():
+        await tier.write(key, chunk_view(chunk))
+    for key, chunk in chunks.items():
+        slot = pool.reserve()
+        assert await tier.read_into(key, pool.buffer(slot))
+        assert torch.equal(pool.tensor(slot).view(torch.int16), chunk.view(torch.int16))
+        assert pool.publish(slot, key)
+        pool.release(slot)
+    assert tier.stats.hits == 3
+
+
+async def test_identity_codec_uses_the_scatter_path(disk: DiskBackend, monkeypatch):
+    tier = make_tier(disk, "identity")
+    key, chunk = hexkey("direct"), make_chunk(7)
+    await tier.write(key, chunk_view(chunk))
+    # header + the slot's exact bytes: nothing else is stored
+    assert disk.path_for(key).stat().st_size == header_size(LAYOUT.num_layers, "identity") + LAYOUT.chunk_nbytes
+
+    async def no_whole_reads(*args, **kwargs):
+        raise AssertionError("the identity codec must not read the whole object into a new buffer")
+
+    monkeypatch.setattr(disk, "get", no_whole_reads)
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await tier.read_into(key, memoryview(out))
+    assert bytes(out) == chunk_view(chunk).tobytes()
+    assert tier.stats.errors == 0
+
+
+@pytest.mark.parametrize("writer", CODECS)
+@pytest.mark.parametrize("reader", CODECS)
+async def test_a_chunk_written_with_one_codec_is_readable_with_another(disk: DiskBackend, writer: str, reader: str):
+    key, chunk = hexkey(f"{writer}-{reader}"), make_chunk(42)
+    await make_tier(disk, writer).write(key, chunk_view(chunk))
+    tier = make_tier(disk, reader)
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await tier.read_into(key, memoryview(out))
+    assert bytes(out) == chunk_view(chunk).tobytes()
+    assert tier.stats.hits == 1 and tier.stats.corrupt == 0
+
+
+def _chunk_whose_container_has_size(codec: str, size: int) -> torch.Tensor:
+    """Bytes of a chunk that ``codec`` stores in exactly ``size`` bytes (searched, deterministic)."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 256, (LAYOUT.chunk_nbytes,), dtype=torch.uint8, generator=generator)
+    pipeline = make_codec(codec)
+    for zeros in range(LAYOUT.chunk_nbytes):
+        candidate = base.clone()
+        candidate[:zeros] = 0
+        parts = encode_chunk(LAYOUT, hexkey("x"), memoryview(candidate.numpy()), pipeline)
+        if sum(len(as_bytes_view(p)) for p in parts) == size:
+            return candidate
+    raise AssertionError(f"no {codec} chunk of {size} bytes found")
+
+
+@pytest.mark.parametrize("writer", ["zstd", "bytesplit", "lz4"])
+async def test_another_codecs_file_of_the_identity_size_is_not_mistaken_for_corrupt(disk: DiskBackend, writer: str):
+    # The identity tier's scatter path recognises its files by size; a valid file written with
+    # a codec whose header is shorter or longer can have exactly that size. It must still be
+    # decoded (general path), not counted as corrupt and deleted.
+    identity_size = header_size(LAYOUT.num_layers, "identity") + LAYOUT.chunk_nbytes
+    chunk = _chunk_whose_container_has_size(writer, identity_size)
+    key = hexkey(f"collide-{writer}")
+    await make_tier(disk, writer).write(key, memoryview(chunk.numpy()))
+    assert disk.path_for(key).stat().st_size == identity_size
+
+    tier = make_tier(disk, "identity")
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await tier.read_into(key, memoryview(out))
+    assert bytes(out) == chunk.numpy().tobytes()
+    assert tier.stats.corrupt == 0 and tier.stats.hits == 1
+    assert disk.path_for(key).exists()
+
+
+# -- corruption --------------------------------------------------------------------------------
+
+
+def _flip(path: Path, position: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(size)
+
+
+async def _corrupt(kind: str, disk: DiskBackend, codec: str, key: str) -> None:
+    path = disk.path_for(key)
+    header = header_size(LAYOUT.num_layers, make_codec(codec).id)
+    total = path.stat().st_size
+    if kind == "flip_magic":
+        _flip(path, 0)
+    elif kind == "flip_fingerprint":
+        _flip(path, 20)
+    elif kind == "flip_key":
+        _flip(path, 40)
+    elif kind == "flip_segment_table":
+        _flip(path, header - 20)
+    elif kind == "flip_header_checksum":
+        _flip(path, header - 1)
+    elif kind == "flip_first_segment":
+        _flip(path, header)
+    elif kind == "flip_last_byte":
+        _flip(path, total - 1)
+    elif kind == "truncate_payload":
+        _truncate(path, total - 1)
+    elif kind == "truncate_half_header":
+        _truncate(path, header // 2)
+    elif kind == "empty":
+        _truncate(path, 0)
+    elif kind == "trailing_garbage":
+        with open(path, "ab") as file:
+            file.write(b"\x00")
+    elif kind == "garbage":
+        path.write_bytes(os.urandom(total))
+    elif kind.startswith("layout_"):
+        other = {
+            # same number of bytes, other meaning: only the fingerprint tells them apart
+            "layout_same_size": KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, chunk_tokens=16),
+            "layout_float16": KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16, dtype=torch.float16),
+            "layout_other_size": KVLayout(num_layers=3, num_kv_heads=1, head_dim=8, chunk_tokens=16),
+        }[kind]
+        # a foreign writer replacing the file (the backend replaces; a tier would skip a key it has)
+        disk.write(key, encode_chunk(other, key, chunk_view(make_chunk(5, other)), make_codec(codec)))
+    elif kind == "other_key":
+        other_key = hexkey("someone else")
+        await make_tier(disk, codec).write(other_key, chunk_view(make_chunk(6)))
+        os.replace(disk.path_for(other_key), path)
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+
+
+CORRUPTIONS = [
+    "flip_magic",
+    "flip_fingerprint",
+    "flip_key",
+    "flip_segment_table",
+    "flip_header_checksum",
+    "flip_first_segment",
+    "flip_last_byte",
+    "truncate_payload",
+    "truncate_half_header",
+    "empty",
+    "trailing_garbage",
+    "garbage",
+    "layout_same_size",
+    "layout_float16",
+    "layout_other_size",
+    "other_key",
+]
+
+
+@pytest.mark.parametrize("codec", ["identity", "zstd", "bytesplit"])
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+async def test_a_damaged_or_foreign_chunk_is_a_counted_miss_and_removed(disk: DiskBackend, codec: str, kind: str):
+    tier = make_tier(disk, codec)
+    key, chunk = hexkey("victim"), make_chunk(3)
+    await tier.write(key, chunk_view(chunk))
+    await _corrupt(kind, disk, codec, key)
+    assert disk.path_for(key).exists()
+
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await tier.read_into(key, memoryview(out)) is False
+    assert tier.stats.corrupt == 1
+    assert tier.stats.hits == 0
+    assert tier.stats.errors == 0
+    assert not disk.path_for(key).exists(), "a corrupt chunk must be removed"
+    assert not await disk.exists(key)
+
+    # the next read is a plain miss, and a rewrite makes the key usable again
+    assert await tier.read_into(key, memoryview(out)) is False
+    assert tier.stats.misses == 1
+    assert tier.stats.corrupt == 1
+    await tier.write(key, chunk_view(chunk))
+    assert await tier.read_into(key, memoryview(out)) is True
+    assert bytes(out) == chunk_view(chunk).tobytes()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_a_missing_chunk_is_a_miss(disk: DiskBackend, codec: str):
+    tier = make_tier(disk, codec)
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await tier.read_into(hexkey("absent"), memoryview(out)) is False
+    assert tier.stats.misses == 1
+    assert tier.stats.hits == 0 and tier.stats.corrupt == 0 and tier.stats.errors == 0
+    assert not tier.holds(hexkey("absent"))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_an_io_error_is_a_counted_miss_not_an_exception(disk: DiskBackend, codec: str):
+    tier = make_tier(disk, codec)
+    key = hexkey("dir")
+    disk.path_for(key).mkdir(parents=True)  # reading a directory fails with EISDIR
+    assert await tier.read_into(key, memoryview(bytearray(LAYOUT.chunk_nbytes))) is False
+    assert tier.stats.errors == 1
+    assert tier.stats.hits == 0 and tier.stats.corrupt == 0
+
+
+async def test_a_failed_write_is_counted_and_raised(tmp_path: Path):
+    backend = await open_backend(tmp_path / "disk", capacity=100)  # smaller than one container
+    tier = make_tier(backend, "identity")
+    with pytest.raises(OSError):
+        await tier.write(hexkey("a"), chunk_view(make_chunk(1)))
+    assert tier.stats.errors == 1
+    assert tier.stats.writes == 0
+    assert not tier.holds(hexkey("a"))
+    assert not backend.path_for(hexkey("a")).exists()
+    assert temporaries_under(backend.root) == []
+
+
+async def test_tier_prefix_count(disk: DiskBackend):
+    tier = make_tier(disk, "zstd")
+    keys = [hexkey(i) for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        await tier.write(key, chunk_view(make_chunk(i)))
+    assert await tier.prefix_count(keys) == 3
+    assert await tier.prefix_count([keys[3], *keys[:3]]) == 0
+
+
+# == the Backend base class's defaults =========================================================
+
+
+class MemoryBackend(Backend):
+    """The smallest backend: only the abstract methods, so the base class's defaults are used."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.gets = 0
+
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
+        self.gets += 1
+        data = self.objects.get(key)
+        if data is None or byte_range is None:
+            return data
+        return data[byte_range[0] : byte_range[1]]
+
+    async def set(self, key: str, parts: Sequence[Buffer]) -> None:
+        self.objects[key] = b"".join(bytes(as_bytes_view(p)) for p in parts)
+
+    async def exists(self, key: str) -> bool:
+        return key in self.objects
+
+    async def delete(self, key: str) -> None:
+        self.objects.pop(key, None)
+
+    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
+        for key in list(self.objects):
+            if key.startswith(prefix):
+                yield key
+
+
+async def test_base_get_into_get_many_and_prefix_count():
+    backend = MemoryBackend()
+    await backend.set("k1", [b"abc", b"defgh"])
+    await backend.set("k2", [b"z"])
+    first, second = bytearray(3), bytearray(10)
+    assert await backend.get_into("k1", [memoryview(first), memoryview(second)]) == 8
+    assert bytes(first) == b"abc"
+    assert bytes(second[:5]) == b"defgh" and bytes(second[5:]) == bytes(5)
+    assert await backend.get_into("nope", [memoryview(bytearray(1))]) is None
+    assert await backend.get_many(["k2", "nope", "k1"]) == [b"z", None, b"abcdefgh"]
+    assert await backend.prefix_count(["k1", "k2", "nope", "k1"]) == 2
+    assert await backend.prefix_count([]) == 0
+    assert backend.stats() == {}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_tier_over_a_backend_without_scatter_reads(codec: str):
+    backend = MemoryBackend()
+    tier = make_tier(backend, codec)
+    key, chunk = hexkey("mem"), make_chunk(9)
+    await tier.write(key, chunk_view(chunk))
+    assert not tier.holds(key)  # no cheap holds(): the tier cannot know without I/O
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await tier.read_into(key, memoryview(out))
+    assert bytes(out) == chunk_view(chunk).tobytes()
+    backend.objects[key] = backend.objects[key][:-1]
+    assert not await tier.read_into(key, memoryview(out))
+    assert tier.stats.corrupt == 1
+    assert key not in backend.objects
