@@ -82,6 +82,11 @@ class DiskConfig(_Section):
         make_codec(value)  # raises ValueError listing the valid stages
         return value
 
+    @field_validator("path")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
 
 class TimeoutConfig(_Section):
     get: float = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
@@ -104,6 +109,13 @@ class StoreConfig(BaseSettings):
     io_threads: int = Field(4, ge=1, le=256, description="threads for file I/O and codecs")
 
     def __init__(self, **values: Any) -> None:
+        if _toml_file.get() is None and os.environ.get(CONFIG_FILE_ENV):
+            token = _toml_file.set(_toml_path(None))  # StoreConfig() honours $KVSTORE_CONFIG too
+            try:
+                self.__init__(**values)  # type: ignore[misc]
+            finally:
+                _toml_file.reset(token)
+            return
         _reject_unknown_env()
         try:
             super().__init__(**values)
@@ -128,16 +140,7 @@ class StoreConfig(BaseSettings):
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> StoreConfig:
         """Read a TOML file (``path`` or ``$KVSTORE_CONFIG``), then the environment, then ``overrides``."""
-        file = path if path is not None else os.environ.get(CONFIG_FILE_ENV)
-        toml_path = Path(file).expanduser() if file else None
-        if toml_path is not None and not toml_path.is_file():
-            source, fix = (
-                ("the path given", "pass the path of an existing TOML file")
-                if path is not None
-                else (CONFIG_FILE_ENV, f"set {CONFIG_FILE_ENV} to an existing TOML file, or unset it")
-            )
-            raise ConfigError(f"config file {toml_path} (from {source}) does not exist or is not a file; {fix}")
-        token = _toml_file.set(toml_path)
+        token = _toml_file.set(_toml_path(path))
         try:
             return cls(**overrides)
         finally:
@@ -159,6 +162,20 @@ class StoreConfig(BaseSettings):
         return tuple(sources)
 
 
+def _toml_path(path: str | os.PathLike[str] | None) -> Path | None:
+    """The TOML file to read: ``path``, else ``$KVSTORE_CONFIG``, else none; it must exist."""
+    file = path if path is not None else os.environ.get(CONFIG_FILE_ENV)
+    toml_path = Path(file).expanduser() if file else None
+    if toml_path is not None and not toml_path.is_file():
+        source, fix = (
+            ("the path given", "pass the path of an existing TOML file")
+            if path is not None
+            else (CONFIG_FILE_ENV, f"set {CONFIG_FILE_ENV} to an existing TOML file, or unset it")
+        )
+        raise ConfigError(f"config file {toml_path} (from {source}) does not exist or is not a file; {fix}")
+    return toml_path
+
+
 def _known_paths(model: type[BaseModel], prefix: str = "") -> dict[str, type[BaseModel] | None]:
     """Dotted key -> sub-model (for sections) or None (for leaves)."""
     paths: dict[str, type[BaseModel] | None] = {}
@@ -175,10 +192,13 @@ def _reject_unknown_env() -> None:
     """pydantic-settings ignores unknown ``KVSTORE_*`` variables; a typo there should not pass silently."""
     known = {path.replace(".", "__").upper() for path in _known_paths(StoreConfig)}
     for name in os.environ:
-        if name.startswith(ENV_PREFIX) and name != CONFIG_FILE_ENV:
-            rest = name[len(ENV_PREFIX) :]
+        # pydantic-settings matches names case-insensitively (kvstore_io_threads is read), so check them
+        # all; KVSTORE_CONFIG is only read spelled exactly so.
+        if name != CONFIG_FILE_ENV and name.upper().startswith(ENV_PREFIX):
+            rest = name[len(ENV_PREFIX) :].upper()
             if rest not in known:
-                hint = difflib.get_close_matches(rest, sorted(known), n=1)
+                choices = sorted(known | {CONFIG_FILE_ENV.removeprefix(ENV_PREFIX)})
+                hint = difflib.get_close_matches(rest, choices, n=1)
                 fix = f"did you mean {ENV_PREFIX}{hint[0]}?" if hint else f"valid: {sorted(known)}"
                 raise ConfigError(f"unknown environment variable {name}: {fix}")
 

@@ -208,62 +208,120 @@ class KVStore:
 
         Pass ``out`` (pre-allocated, chunk-shaped) on hot paths: a fresh tensor pays page faults.
         """
-        self._check_open()
-        key_to_bytes(key)
-        if out is not None:
-            self._check_chunk(out, "out")
-        self._counters["gets"] += 1
-        slot = self.pool.acquire(key)
-        if slot is None:
-            slot = await self._promote(key)
-        if slot is None:
-            self._counters["misses"] += 1
-            return None
-        try:
-            source = self.pool.tensor(slot)
-            result = out.copy_(source) if out is not None else source.clone()
-        finally:
-            self.pool.release(slot)
-        self._counters["hits"] += 1
-        return result
+        return (await self.get_many([key], None if out is None else [out]))[0]
 
-    async def _promote(self, key: ChunkKey) -> int | None:
-        """Load ``key`` from the first tier that has it into a DRAM slot; the slot, referenced, or None.
+    async def get_many(
+        self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Several chunks (typically the prefix ``lookup`` found) in one call.
 
-        Concurrent gets of one key share a single load.
+        DRAM hits are copied at once; the misses are read from each lower tier as one batch and
+        promoted into DRAM. Each result is ``outs[i]`` (or a new tensor), or None on a miss.
         """
-        loading = self._loading.get(key)
-        if loading is not None:
-            await asyncio.shield(loading)
-            return self.pool.acquire(key)
-        loading = self._loading[key] = asyncio.get_running_loop().create_future()
+        self._check_open()
+        for key in keys:
+            key_to_bytes(key)
+        if outs is not None:
+            if len(outs) != len(keys):
+                raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
+            for out in outs:
+                self._check_chunk(out, "out")
+        self._counters["gets"] += len(keys)
+        slots: list[int | None] = [self.pool.acquire(key) for key in keys]
         try:
-            return await self._load_from_tiers(key)
+            missing = [i for i, slot in enumerate(slots) if slot is None]
+            if missing and self.tiers:
+                promoted = await self._promote([keys[i] for i in missing])
+                for i, slot in zip(missing, promoted, strict=True):
+                    slots[i] = slot
+            results: list[torch.Tensor | None] = []
+            for i, slot in enumerate(slots):
+                if slot is None:
+                    results.append(None)
+                    continue
+                source = self.pool.tensor(slot)
+                results.append(outs[i].copy_(source) if outs is not None else source.clone())
         finally:
-            del self._loading[key]
-            loading.set_result(None)
-
-    async def _load_from_tiers(self, key: ChunkKey) -> int | None:
-        for position, tier in enumerate(self.tiers):
-            slot = self.pool.reserve()
-            if slot is None:
-                log.debug("promotion of %s skipped: every DRAM slot is in use", key[:16])
-                return None
-            self.pool.retain(slot)  # the read's own reference: released only when the read ends
-            promoted = False
-            try:
-                release_read = lambda s=slot: self.pool.release(s)  # noqa: E731
-                loaded = await self._bounded(tier.read_into(key, self.pool.buffer(slot)), self.config.timeouts.get, tier, release_read)
-                if loaded is True:
-                    if not self.pool.publish(slot, key):  # a put of the same key landed meanwhile
-                        return self.pool.acquire(key)
-                    self._enqueue(self.tiers[:position], key, slot)
-                    promoted = True
-                    return slot
-            finally:
-                if not promoted:
+            for slot in slots:
+                if slot is not None:
                     self.pool.release(slot)
-        return None
+        hits = sum(result is not None for result in results)
+        self._counters["hits"] += hits
+        self._counters["misses"] += len(keys) - hits
+        return results
+
+    async def _promote(self, keys: list[ChunkKey]) -> list[int | None]:
+        """Load ``keys`` from the first tier that has each into DRAM; their slots (referenced) or None.
+
+        A key another call is already loading is waited for, not read twice.
+        """
+        loop = asyncio.get_running_loop()
+        waiting: dict[int, asyncio.Future[None]] = {}
+        own: list[int] = []
+        for i, key in enumerate(keys):
+            if key in self._loading:
+                waiting[i] = self._loading[key]
+            else:
+                self._loading[key] = loop.create_future()
+                own.append(i)
+        slots: list[int | None] = [None] * len(keys)
+        try:
+            try:
+                loaded = await self._load_from_tiers([keys[i] for i in own])
+            finally:
+                for i in own:
+                    self._loading.pop(keys[i]).set_result(None)
+            for i, slot in zip(own, loaded, strict=True):
+                slots[i] = slot
+            for i, loading in waiting.items():
+                await asyncio.shield(loading)
+                slots[i] = self.pool.acquire(keys[i])
+        except BaseException:
+            for slot in slots:
+                if slot is not None:
+                    self.pool.release(slot)
+            raise
+        return slots
+
+    async def _load_from_tiers(self, keys: list[ChunkKey]) -> list[int | None]:
+        """Each tier in turn reads, as one batch, the keys no faster tier had."""
+        result: list[int | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for position, tier in enumerate(self.tiers):
+            if not pending:
+                break
+            reserved: list[tuple[int, int]] = []
+            for i in pending:
+                slot = self.pool.reserve()
+                if slot is None:
+                    log.debug("promotion of %d chunks skipped: every DRAM slot is in use", len(pending) - len(reserved))
+                    break
+                self.pool.retain(slot)  # the read's own reference: released only when the read ends
+                reserved.append((i, slot))
+            if not reserved:
+                break
+            pending = []
+            try:
+                read = tier.read_many_into([keys[i] for i, _ in reserved], [self.pool.buffer(s) for _, s in reserved])
+                end_of_read = lambda taken=reserved: [self.pool.release(s) for _, s in taken]  # noqa: E731
+                found = await self._bounded(read, self.config.timeouts.get * len(reserved), tier, end_of_read)
+            except BaseException:
+                for _, slot in reserved:
+                    self.pool.release(slot)
+                raise
+            if found is _TIMED_OUT:
+                found = [False] * len(reserved)
+            for (i, slot), ok in zip(reserved, found, strict=True):
+                if ok and self.pool.publish(slot, keys[i]):
+                    self._enqueue(self.tiers[:position], keys[i], slot)
+                    result[i] = slot  # keeps the reservation's reference for the caller
+                    continue
+                self.pool.release(slot)
+                if ok:  # a put of the same key landed meanwhile
+                    result[i] = self.pool.acquire(keys[i])
+                else:
+                    pending.append(i)
+        return result
 
     async def _bounded(
         self, operation: Awaitable[T], timeout: float, tier: ChunkTier, on_end: Callable[[], None] | None = None

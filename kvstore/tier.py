@@ -8,8 +8,11 @@ wrong KV. A corrupt object is deleted so it is not read again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Executor
+from typing import TypeVar
 
 from kvstore.backends.base import Backend, ChunkReader, LocalBackend
 from kvstore.buffers import Buffer
@@ -34,18 +37,23 @@ from kvstore.stats import TierStats
 from kvstore.threads import in_thread
 
 log = logging.getLogger("kvstore.tier")
+T = TypeVar("T")
 BATCH_BYTES = 1 << 20  # read or write this much, then checksum it while it is still in L2 cache
 
 
 class ChunkTier:
-    def __init__(self, backend: Backend, codec: CodecPipeline, layout: KVLayout, executor: Executor | None):
+    def __init__(
+        self, backend: Backend, codec: CodecPipeline, layout: KVLayout, executor: Executor | None, parallel_reads: int = 2
+    ):
         self.backend = backend
+        self.parallel_reads = parallel_reads
         self.codec = codec
         self.layout = layout
         self.name = backend.name
         self.stats = TierStats()
         self._executor = executor
         self._header_guess = header_size(layout.num_layers, codec.id)  # exact unless the codec changed
+        self._batch_layers = min(layout.num_layers, max(1, BATCH_BYTES // layout.layer_nbytes))
 
     async def open(self) -> None:
         await self.backend.open()
@@ -102,23 +110,47 @@ class ChunkTier:
 
     async def read_into(self, key: ChunkKey, out: memoryview) -> bool:
         """Fill ``out`` with the chunk; False on a miss of any kind (absent, corrupt, error)."""
-        try:
-            if isinstance(self.backend, LocalBackend):
-                size = await in_thread(self._executor, self._read_local, key, out)
-            else:
-                size = await self._read_remote(key, out)
-        except ChunkFormatError as exc:
-            await self._discard_corrupt(key, exc)
+        return (await self.read_many_into([key], [out]))[0]
+
+    async def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        """Fill each ``outs[i]`` with ``keys[i]``; per key, False on a miss of any kind.
+
+        A local tier reads the batch in ``parallel_reads`` thread calls rather than one per
+        chunk: a thread hop costs ~0.1 ms here, a warm 5 MB chunk read ~0.4 ms.
+        """
+        if isinstance(self.backend, LocalBackend):
+            groups = _split(list(zip(keys, outs, strict=True)), self.parallel_reads)
+            results = await asyncio.gather(*(in_thread(self._executor, self._read_local_group, group) for group in groups))
+            outcomes = [outcome for group in results for outcome in group]
+        else:
+            outcomes = await asyncio.gather(*(self._read_remote(k, o) for k, o in zip(keys, outs, strict=True)), return_exceptions=True)
+        return [await self._account(key, outcome) for key, outcome in zip(keys, outcomes, strict=True)]
+
+    def _read_local_group(self, group: list[tuple[ChunkKey, memoryview]]) -> list[int | None | BaseException]:
+        outcomes: list[int | None | BaseException] = []
+        for key, out in group:
+            try:
+                outcomes.append(self._read_local(key, out))
+            except Exception as exc:  # accounted for on the event loop, per key
+                outcomes.append(exc)
+        return outcomes
+
+    async def _account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
+        """Count one read's outcome; a corrupt object is removed."""
+        if isinstance(outcome, ChunkFormatError):
+            await self._discard_corrupt(key, outcome)
             return False
-        except Exception as exc:  # I/O errors, a server gone: a miss, counted
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+        if isinstance(outcome, BaseException):  # I/O errors, a server gone: a miss, counted
             self.stats.errors += 1
-            log.warning("%s tier: read of %s failed: %r", self.name, key[:16], exc)
+            log.warning("%s tier: read of %s failed: %r", self.name, key[:16], outcome)
             return False
-        if size is None:
+        if outcome is None:
             self.stats.misses += 1
             return False
         self.stats.hits += 1
-        self.stats.bytes_read += size
+        self.stats.bytes_read += outcome
         return True
 
     def _read_local(self, key: ChunkKey, out: memoryview) -> int | None:
@@ -128,30 +160,36 @@ class ChunkTier:
         if reader is None:
             return None
         with reader:
-            head = bytearray(self._header_guess)
-            got = reader.readinto([memoryview(head)], 0)
-            needed = header_length(memoryview(head)[:got])
-            if needed > got:
-                head = bytearray(needed)
-                reader.readinto([memoryview(head)], 0)
-            header = parse_header(memoryview(head)[:needed], self.layout, key)
+            # One read for the header and, if the file is what we write, the first layer batch.
+            head = memoryview(bytearray(self._header_guess))
+            first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if self.codec.is_identity else out[:0]
+            got = reader.readinto([head, first_batch], 0)
+            needed = header_length(head[: min(got, len(head))])
+            if needed > len(head):
+                head = memoryview(bytearray(needed))
+                reader.readinto([head], 0)
+            header = parse_header(head[:needed], self.layout, key)
             if reader.size != header.total_len:
                 raise ChunkFormatError(f"file is {reader.size} bytes, header says {header.total_len}")
             if header.codec.is_identity:
-                self._read_identity(reader, header, out)
+                already = self._batch_layers if needed == len(head) == self._header_guess and len(first_batch) else 0
+                self._read_identity(reader, header, out, already)
             else:
                 self._read_encoded(reader, header, out)
         return reader.size
 
-    def _read_identity(self, reader: ChunkReader, header: ChunkHeader, out: memoryview) -> None:
-        """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot."""
+    def _read_identity(self, reader: ChunkReader, header: ChunkHeader, out: memoryview, already: int) -> None:
+        """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot.
+
+        ``already`` leading layers were read together with the header.
+        """
         step = self.layout.layer_nbytes
         if any(segment.stored_len != step for segment in header.segments):
             raise ChunkFormatError("identity segments must be one layer long")
-        per_batch = max(1, BATCH_BYTES // step)
-        for first in range(0, self.layout.num_layers, per_batch):
-            last = min(first + per_batch, self.layout.num_layers)
-            reader.readinto([out[first * step : last * step]], header.header_len + first * step)
+        for first in range(0, self.layout.num_layers, self._batch_layers):
+            last = min(first + self._batch_layers, self.layout.num_layers)
+            if first >= already:
+                reader.readinto([out[first * step : last * step]], header.header_len + first * step)
             for layer in range(first, last):
                 verify_segment(header, layer, out[layer * step : (layer + 1) * step])
 
@@ -193,3 +231,11 @@ class ChunkTier:
 
 def _total_len(parts: list[Buffer]) -> int:
     return sum(memoryview(part).nbytes for part in parts)
+
+
+def _split(items: list[T], groups: int) -> list[list[T]]:
+    """At most ``groups`` contiguous, near-equal, non-empty slices of ``items``."""
+    groups = max(1, min(groups, len(items)))
+    size, extra = divmod(len(items), groups)
+    bounds = [i * size + min(i, extra) for i in range(groups + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(groups)]

@@ -490,7 +490,7 @@ def garbage_for_codec(draw: st.DrawFn) -> tuple[str, bytes]:
     return name, data
 
 
-@settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=garbage_for_codec())
 def test_garbage_is_a_codec_error_never_another_exception(case):
     name, data = case

@@ -382,7 +382,31 @@ def test_unknown_lowercase_env_var_is_not_silently_ignored(monkeypatch):
     monkeypatch.setenv("kvstore_dram__capcity", "1GiB")
     with pytest.raises(ConfigError) as excinfo:
         StoreConfig()
-    assert_mentions(error_text(excinfo), "capcity", "capacity")
+    assert_mentions(error_text(excinfo), "kvstore_dram__capcity", "did you mean KVSTORE_DRAM__CAPACITY?")
+
+
+@pytest.mark.parametrize(
+    "name, fix",
+    [
+        ("kvstore_queue_dept", "did you mean KVSTORE_QUEUE_DEPTH?"),
+        ("Kvstore_Io_Thread", "did you mean KVSTORE_IO_THREADS?"),
+        ("kvstore_config", "did you mean KVSTORE_CONFIG?"),  # only read spelled exactly so
+    ],
+)
+def test_unknown_env_var_in_any_case_is_an_error(monkeypatch, name, fix):
+    monkeypatch.setenv(name, "3")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), name, fix)
+
+
+def test_known_env_var_in_another_case_is_read(monkeypatch):
+    """pydantic-settings reads names case-insensitively; the typo check must agree with it."""
+    monkeypatch.setenv("kvstore_io_threads", "5")
+    monkeypatch.setenv("Kvstore_Dram__Capacity", "7MiB")
+    config = StoreConfig()
+    assert config.io_threads == 5
+    assert config.dram.capacity == 7 * MiB
 
 
 def test_section_variable_that_is_not_json(monkeypatch):
@@ -457,3 +481,15 @@ def test_errors_chain_no_pydantic_traceback():
         StoreConfig(queue_depth=0)
     assert excinfo.value.__cause__ is None
     assert excinfo.value.__suppress_context__ is True
+
+
+def test_plain_constructor_reads_the_file_named_by_kvstore_config(tmp_path, monkeypatch):
+    file = tmp_path / "kvstore.toml"
+    file.write_text('queue_depth = 5\n[disk]\npath = "~/kv-cache"\n')
+    monkeypatch.setenv("KVSTORE_CONFIG", str(file))
+    config = StoreConfig(tier_workers=3)
+    assert config.queue_depth == 5 and config.tier_workers == 3
+    assert config.disk.path == Path.home() / "kv-cache"  # ~ expanded
+    monkeypatch.setenv("KVSTORE_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="KVSTORE_CONFIG"):
+        StoreConfig()

@@ -376,3 +376,39 @@ async def test_a_chunk_already_on_disk_is_not_written_again(tmp_path: Path) -> N
         await store.put(key, make_chunk(0))
         await store.flush()
         assert store.stats()["disk"]["writes"] == 2 and path.exists()
+
+
+async def test_get_many_serves_dram_and_disk_in_one_call(tmp_path: Path) -> None:
+    keys = chunk_keys(tokens(6), LAYOUT, "test")
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        for i, key in enumerate(keys[:5]):  # chunk 5 never stored
+            await store.put(key, make_chunk(i))
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        await store.get(keys[0])  # one chunk already back in DRAM
+        outs = [torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype) for _ in keys]
+        results = await store.get_many(keys, outs)
+        assert [r is not None for r in results] == [True] * 5 + [False]
+        for i in range(5):
+            assert results[i] is outs[i] and torch.equal(outs[i], make_chunk(i))
+        stats = store.stats()
+        assert stats["disk"]["hits"] == 5  # 1 for the single get, 4 in the batch
+        assert stats["disk"]["misses"] == 1
+        assert stats["store"]["hits"] == 6 and stats["store"]["misses"] == 1
+        assert stats["dram"]["chunks"] == 5 and stats["dram"]["referenced"] == 0
+        duplicated = await store.get_many([keys[1], keys[1]])
+        assert all(r is not None and torch.equal(r, make_chunk(1)) for r in duplicated)
+        with pytest.raises(ValueError, match="2 keys but 1 output"):
+            await store.get_many(keys[:2], outs[:1])
+
+
+async def test_get_many_with_a_pool_too_small_for_the_batch_misses_the_rest(tmp_path: Path) -> None:
+    keys = chunk_keys(tokens(4), LAYOUT, "test")
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        for i, key in enumerate(keys):
+            await store.put(key, make_chunk(i))
+    async with KVStore(config(tmp_path, slots=2), LAYOUT, namespace="test") as store:
+        results = await store.get_many(keys)
+        assert [r is not None for r in results] == [True, True, False, False]  # never waits for memory
+        assert store.stats()["dram"]["referenced"] == 0
+        later = await store.get_many(keys[2:])  # the slots are free again once the caller is served
+        assert all(r is not None and torch.equal(r, make_chunk(i + 2)) for i, r in enumerate(later))

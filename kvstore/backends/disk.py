@@ -35,6 +35,7 @@ _TMP_MARK = ".tmp-"
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 STALE_TMP_SECONDS = 600.0
+MTIME_REFRESH_SECONDS = 10.0
 
 
 class DiskBackend(LocalBackend):
@@ -100,7 +101,7 @@ class DiskBackend(LocalBackend):
         except FileNotFoundError:
             self._forget(key)
             return None
-        self._touch(key, len(data) if byte_range is None else None)
+        self._touch(key, len(data) if byte_range is None else None, None)
         return data
 
     async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
@@ -123,12 +124,12 @@ class DiskBackend(LocalBackend):
             self._forget(key)
             return None
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        self._touch(key, size)
-        return FileReader(fd, size)
+        self._touch(key, stat.st_size, stat.st_mtime)
+        return FileReader(fd, stat.st_size)
 
     async def exists(self, key: str) -> bool:
         with self._lock:
@@ -217,8 +218,12 @@ class DiskBackend(LocalBackend):
         with self._lock:
             self._used -= self._index.pop(key, 0)
 
-    def _touch(self, key: str, size: int | None) -> None:
-        """Mark a hit: most recent in the index and, for the next start, on disk."""
+    def _touch(self, key: str, size: int | None, mtime: float | None) -> None:
+        """Mark a hit: most recent in the index and, for the next start, in the file's mtime.
+
+        The mtime is refreshed at most every MTIME_REFRESH_SECONDS: each refresh dirties the
+        inode, and a hot chunk would otherwise cost a journal write per read.
+        """
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -227,6 +232,8 @@ class DiskBackend(LocalBackend):
                 self._used += size
         if size is not None:
             self._evict_to(self.capacity_bytes, keep=key)  # no-op unless another process's file pushed us over
+        if mtime is not None and time.time() - mtime < MTIME_REFRESH_SECONDS:
+            return
         try:
             os.utime(self.path_for(key))
         except OSError:
