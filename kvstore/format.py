@@ -22,6 +22,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import xxhash
 
@@ -53,8 +54,7 @@ def header_size(num_layers: int, codec_id: str) -> int:
     return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):  # a tuple: one is built per layer on every read
     offset: int  # from the end of the header
     stored_len: int
     raw_len: int
@@ -165,15 +165,14 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
         codec = _codec_named(bytes(view[codec_start : codec_start + codec_len]).decode("ascii"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChunkFormatError(f"unknown codec in header: {exc}") from None
-    segments = []
+    table = struct.unpack_from(f"<{4 * n_layers}Q", view, codec_start + codec_len)
+    segments = tuple(Segment._make(table[i : i + 4]) for i in range(0, len(table), 4))
     offset = 0
-    for i in range(n_layers):
-        seg = Segment(*_SEGMENT.unpack_from(view, codec_start + codec_len + i * _SEGMENT.size))
+    for i, seg in enumerate(segments):
         if seg.offset != offset or seg.raw_len != layout.layer_nbytes:
             raise ChunkFormatError(f"segment table entry {i} is inconsistent")
-        segments.append(seg)
         offset += seg.stored_len
-    return ChunkHeader(header_len, codec, tokens, tuple(segments))
+    return ChunkHeader(header_len, codec, tokens, segments)
 
 
 def verify_segment(header: ChunkHeader, layer: int, stored: Buffer) -> None:

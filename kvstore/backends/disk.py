@@ -43,6 +43,7 @@ class DiskBackend(LocalBackend):
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False, executor: Executor | None = None):
         self.root = Path(root).expanduser()
+        self._root_text = str(self.root)
         self.capacity_bytes = int(capacity_bytes)
         self.fsync = fsync
         self._executor = executor
@@ -55,9 +56,13 @@ class DiskBackend(LocalBackend):
     # -- paths -------------------------------------------------------------------------------
 
     def path_for(self, key: str) -> Path:
+        return Path(self._file(key))
+
+    def _file(self, key: str) -> str:
+        """The file name as a string: pathlib objects cost microseconds on every read."""
         if not _KEY_PATTERN.fullmatch(key):
             raise ValueError(f"disk keys are 8-128 lowercase hex characters, got {key!r}")
-        return self.root / key[:2] / key[2:4] / (key + SUFFIX)
+        return f"{self._root_text}/{key[:2]}/{key[2:4]}/{key}{SUFFIX}"
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -119,7 +124,7 @@ class DiskBackend(LocalBackend):
     def open_reader(self, key: str) -> FileReader | None:
         """An open chunk file for positioned reads, or None if absent; counts as a hit for LRU."""
         try:
-            fd = os.open(self.path_for(key), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self._forget(key)
             return None
@@ -235,7 +240,7 @@ class DiskBackend(LocalBackend):
         if mtime is not None and time.time() - mtime < MTIME_REFRESH_SECONDS:
             return
         try:
-            os.utime(self.path_for(key))
+            os.utime(self._file(key))
         except OSError:
             pass
 
@@ -249,7 +254,7 @@ class DiskBackend(LocalBackend):
                     return
                 self._used -= self._index.pop(victim)
                 self.evictions += 1
-            _unlink_quietly(self.path_for(victim))
+            _unlink_quietly(self._file(victim))
 
     def stats(self) -> dict[str, int | float | str]:
         with self._lock:
@@ -341,7 +346,7 @@ def _scandir_quietly(directory: Path) -> list[os.DirEntry[str]]:
         return []
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: str | Path) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
