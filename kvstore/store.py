@@ -31,6 +31,7 @@ from kvstore.tier import ChunkTier
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
 _TIMED_OUT = object()
+WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
 
 
 class StoreClosedError(RuntimeError):
@@ -171,15 +172,21 @@ class KVStore:
             queue.put_nowait((key, slot))
 
     async def _cascade_worker(self, tier: ChunkTier, queue: asyncio.Queue[tuple[ChunkKey, int]]) -> None:
+        """Write what the queue holds, in batches of up to WRITE_BATCH when writes pile up."""
         while True:
-            key, slot = await queue.get()
+            batch = [await queue.get()]
+            while len(batch) < WRITE_BATCH and not queue.empty():
+                batch.append(queue.get_nowait())
             try:
-                write = tier.write(key, self.pool.buffer(slot))
-                await self._bounded(write, self.config.timeouts.put, tier, lambda: self.pool.release(slot))
-            except Exception as exc:
-                log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], exc)
+                write = tier.write_many([(key, self.pool.buffer(slot)) for key, slot in batch])
+                end_of_write = lambda taken=batch: [self.pool.release(slot) for _, slot in taken]  # noqa: E731
+                outcomes = await self._bounded(write, self.config.timeouts.put * len(batch), tier, end_of_write)
+                for (key, _), outcome in zip(batch, outcomes if isinstance(outcomes, list) else [], strict=False):
+                    if outcome is not None:
+                        log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], outcome)
             finally:
-                queue.task_done()
+                for _ in batch:
+                    queue.task_done()
 
     # -- lookup and get ------------------------------------------------------------------------
 

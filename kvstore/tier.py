@@ -60,21 +60,49 @@ class ChunkTier:
 
     async def write(self, key: ChunkKey, chunk: memoryview) -> None:
         """Encode (in a thread) and store one chunk; raises on failure so the caller can count it."""
-        try:
-            if isinstance(self.backend, LocalBackend):
-                written = await in_thread(self._executor, self._write_local, key, chunk)
-                if written is None:
-                    self.stats.skipped += 1
-                    return
+        (outcome,) = await self.write_many([(key, chunk)])
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+    async def write_many(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[BaseException | None]:
+        """Store several chunks; per chunk, the exception that stopped it or None (counted either way).
+
+        A local tier writes the whole batch in one thread call: the cascade drains its queue in
+        batches under load, and a thread hop costs ~0.1 ms, a 5 MB file write ~1 ms.
+        """
+        if isinstance(self.backend, LocalBackend):
+            outcomes = await in_thread(self._executor, self._write_local_group, list(items))
+        else:
+            outcomes = await asyncio.gather(*(self._write_remote(k, c) for k, c in items), return_exceptions=True)
+        results: list[BaseException | None] = []
+        for outcome in outcomes:
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                self.stats.errors += 1
+                results.append(outcome)
+                continue
+            if outcome is None:
+                self.stats.skipped += 1
             else:
-                parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec)
-                await self.backend.set(key, parts)
-                written = _total_len(parts)
-        except Exception:
-            self.stats.errors += 1
-            raise
-        self.stats.writes += 1
-        self.stats.bytes_written += written
+                self.stats.writes += 1
+                self.stats.bytes_written += outcome
+            results.append(None)
+        return results
+
+    def _write_local_group(self, items: list[tuple[ChunkKey, memoryview]]) -> list[int | None | BaseException]:
+        outcomes: list[int | None | BaseException] = []
+        for key, chunk in items:
+            try:
+                outcomes.append(self._write_local(key, chunk))
+            except Exception as exc:  # accounted for on the event loop, per chunk
+                outcomes.append(exc)
+        return outcomes
+
+    async def _write_remote(self, key: ChunkKey, chunk: memoryview) -> int:
+        parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec)
+        await self.backend.set(key, parts)
+        return _total_len(parts)
 
     def _write_local(self, key: ChunkKey, chunk: memoryview) -> int | None:
         """Encode (checksumming each layer) and write the file in one gather write; one thread call.
