@@ -1,6 +1,6 @@
 """kvstore: a tiered KV-cache store for LLM inference engines.
 
-    from kvstore import KVStore, StoreConfig, KVLayout, chunk_keys
+from kvstore import KVStore, StoreConfig, KVLayout, chunk_keys
 """
 
 from kvstore.config import ConfigError, StoreConfig

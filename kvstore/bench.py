@@ -18,13 +18,15 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvstore.backends.disk import DiskBackend
-from kvstore.codecs import SegmentSpec, make_codec, roundtrip_error
+from kvstore.buffers import Buffer
+from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec, roundtrip_error
 from kvstore.config import StoreConfig
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
@@ -68,10 +70,6 @@ class Row:
 def _sample_chunks(layout: KVLayout, count: int, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(layout.chunk_shape, generator=generator).to(layout.dtype) for _ in range(count)]
-
-
-def _best(fn: Callable[[], float], repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
 
 
 async def _best_pair(
@@ -123,7 +121,7 @@ async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> 
 
         put_base, put_time = await _best_pair(memcpy, put_all, repeats)
         get_base, get_time = await _best_pair(memcpy_out, get_all, repeats)
-        for i, key in enumerate(keys):
+        for i, _key in enumerate(keys):
             assert torch.equal(outputs[i], sources[i % len(sources)]), "DRAM round trip changed the data"
     return [
         Row(name, "DRAM put", total, put_time, put_base, "memcpy"),
@@ -185,14 +183,18 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
     async def raw_write() -> float:
         for old in raw_dir.iterdir():  # both sides create new files every round
             old.unlink()
-        return await in_thread(lambda: [_raw_write(raw_dir, i, source_bytes[i % len(sources)], fsync) for i in range(chunks)])
+        return await in_thread(
+            lambda: [_raw_write(raw_dir, i, source_bytes[i % len(sources)], fsync) for i in range(chunks)]
+        )
 
     async def tier_write() -> float:
         for key in keys:  # or the tier would skip chunks it already holds
             await backend.delete(key)
         start = time.perf_counter()
         for first in range(0, len(keys), WRITE_BATCH):  # how the cascade writes when its queue backs up
-            batch = [(keys[i], source_bytes[i % len(sources)]) for i in range(first, min(first + WRITE_BATCH, len(keys)))]
+            batch = [
+                (keys[i], source_bytes[i % len(sources)]) for i in range(first, min(first + WRITE_BATCH, len(keys)))
+            ]
             if any(outcome is not None for outcome in await tier.write_many(batch)):
                 raise RuntimeError("the disk tier failed a write during the benchmark")
         return time.perf_counter() - start
@@ -217,7 +219,7 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
     rows.append(Row(name, "disk write", total, write_time, write_base, "write+fsync" if fsync else "write"))
     os.sync()  # let writeback finish: it would steal memory bandwidth from the read measurements
     for cold in (False, True):
-        base, mine = await _best_pair(lambda: raw_read(cold), lambda: tier_read(cold), repeats)
+        base, mine = await _best_pair(lambda c=cold: raw_read(c), lambda c=cold: tier_read(c), repeats)
         label = "cold" if cold else "warm"
         rows.append(Row(name, f"disk read ({label})", total, mine, base, f"readinto ({label})"))
     for i in range(chunks):
@@ -240,11 +242,8 @@ def bench_codecs(sample: torch.Tensor, repeats: int) -> list[dict[str, float | s
         stored = sum(len(memoryview(e).cast("B")) for e in encoded)
         out = torch.empty_like(sample)
         out_views = [memoryview(out[i].view(torch.uint8).reshape(-1).numpy()) for i in range(len(layers))]
-        encode_time = _best(lambda: _timed(lambda: [codec.encode(r, spec) for r in raw]), repeats)
-        decode_time = _best(
-            lambda: _timed(lambda: [codec.decode_into(e, spec, o) for e, o in zip(encoded, out_views, strict=True)]),
-            repeats,
-        )
+        encode_time = min(_timed(partial(_encode_all, codec, raw, spec)) for _ in range(repeats))
+        decode_time = min(_timed(partial(_decode_all, codec, encoded, spec, out_views)) for _ in range(repeats))
         row: dict[str, float | str] = {
             "codec": codec.id,
             "ratio": nbytes / stored,
@@ -260,6 +259,16 @@ def bench_codecs(sample: torch.Tensor, repeats: int) -> list[dict[str, float | s
             row["error"] = f"rms rel {error['rms_rel']:.4f}, cosine {error['cosine']:.5f}"
         results.append(row)
     return results
+
+
+def _encode_all(codec: CodecPipeline, raw: list[memoryview], spec: SegmentSpec) -> None:
+    for segment in raw:
+        codec.encode(segment, spec)
+
+
+def _decode_all(codec: CodecPipeline, encoded: list[Buffer], spec: SegmentSpec, outs: list[memoryview]) -> None:
+    for segment, out in zip(encoded, outs, strict=True):
+        codec.decode_into(segment, spec, out)
 
 
 def load_kv_sample(path: Path) -> torch.Tensor:

@@ -17,7 +17,9 @@ console = Console(width=120)
 
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what the store does")] = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 
 @app.command()
@@ -33,7 +35,9 @@ def demo(
     prompts: Annotated[int, typer.Option(help="prompts to prefill")] = 12,
     tokens: Annotated[int, typer.Option(help="tokens per prompt (256 per chunk)")] = 2048,
     dram: Annotated[str, typer.Option(help="DRAM tier size")] = "256MiB",
-    directory: Annotated[Path | None, typer.Option("--dir", help="disk tier directory (default: a temporary one)")] = None,
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="disk tier directory (default: a temporary one)")
+    ] = None,
 ) -> None:
     """The full cascade on the embedded default (DRAM + local disk): write, restart, read back."""
     from kvstore.demo import run_demo

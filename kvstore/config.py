@@ -15,7 +15,15 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -90,7 +98,9 @@ class DiskConfig(_Section):
 
 class TimeoutConfig(_Section):
     get: float = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
-    put: float = Field(30.0, gt=0, description="seconds a tier may take to write one chunk before it counts as an error")
+    put: float = Field(
+        30.0, gt=0, description="seconds a tier may take to write one chunk before it counts as an error"
+    )
     close: float = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
 
 
@@ -126,7 +136,7 @@ class StoreConfig(BaseSettings):
             name = f"{ENV_PREFIX}{field[1].upper()}" if field else f"a {ENV_PREFIX}* variable"
             raise ConfigError(
                 f"invalid kvstore configuration: {exc}; {name} must be a JSON object "
-                f"(e.g. '{{\"capacity\": \"4GiB\"}}'), or set one key with {ENV_PREFIX}SECTION__KEY"
+                f'(e.g. \'{{"capacity": "4GiB"}}\'), or set one key with {ENV_PREFIX}SECTION__KEY'
             ) from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
             raise ConfigError(f"config file {_toml_file.get()} cannot be read as TOML: {exc}; fix the file") from None

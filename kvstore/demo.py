@@ -75,7 +75,14 @@ async def run_demo(console: Console, *, prompts: int, tokens: int, dram: str, di
                     prefill_seconds += middle - start
                     put_seconds += time.perf_counter() - middle
             nbytes = len(unique) * LAYOUT.chunk_nbytes
-            table.add_row("put (engine -> DRAM)", str(len(unique)), f"{nbytes / 1e6:.0f}", f"{put_seconds:.3f}", _gbps(nbytes, put_seconds), "copied into DRAM slots")
+            table.add_row(
+                "put (engine -> DRAM)",
+                str(len(unique)),
+                f"{nbytes / 1e6:.0f}",
+                f"{put_seconds:.3f}",
+                _gbps(nbytes, put_seconds),
+                "copied into DRAM slots",
+            )
             start = time.perf_counter()
             await store.flush()
             flush_seconds = time.perf_counter() - start
@@ -96,7 +103,14 @@ async def run_demo(console: Console, *, prompts: int, tokens: int, dram: str, di
             start = time.perf_counter()
             found = [await store.lookup(keys) for keys in all_keys]
             lookup_seconds = time.perf_counter() - start
-            table.add_row("lookup after restart", f"{sum(found)}/{sum(len(k) for k in all_keys)}", "", f"{lookup_seconds:.3f}", "", "prefixes found on disk")
+            table.add_row(
+                "lookup after restart",
+                f"{sum(found)}/{sum(len(k) for k in all_keys)}",
+                "",
+                f"{lookup_seconds:.3f}",
+                "",
+                "prefixes found on disk",
+            )
             out = torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
             # Second pass newest-first: what the first pass promoted is still in DRAM.
             passes = (("get after restart", all_keys), ("get again, newest first", all_keys[::-1]))

@@ -27,7 +27,13 @@ from typing import NamedTuple
 import xxhash
 
 from kvstore.buffers import Buffer, as_bytes_view
-from kvstore.codecs import MAX_CODEC_NAME, CodecError, CodecPipeline, SegmentSpec, make_codec
+from kvstore.codecs import (
+    MAX_CODEC_NAME,
+    CodecError,
+    CodecPipeline,
+    SegmentSpec,
+    make_codec,
+)
 from kvstore.keys import ChunkKey, key_to_bytes
 from kvstore.layout import KVLayout
 

@@ -83,7 +83,9 @@ class KVStore:
             queue: asyncio.Queue[tuple[ChunkKey, int]] = asyncio.Queue(self.config.queue_depth)
             self._queues.append(queue)
             for n in range(self.config.tier_workers):
-                self._workers.append(asyncio.create_task(self._cascade_worker(tier, queue), name=f"kvstore-{tier.name}-{n}"))
+                self._workers.append(
+                    asyncio.create_task(self._cascade_worker(tier, queue), name=f"kvstore-{tier.name}-{n}")
+                )
         self._state = "open"
         return self
 
@@ -103,7 +105,9 @@ class KVStore:
             try:
                 await asyncio.wait_for(self.flush(), self.config.timeouts.close)
             except TimeoutError:
-                log.warning("close: pending writes did not finish in %.1fs; abandoning them", self.config.timeouts.close)
+                log.warning(
+                    "close: pending writes did not finish in %.1fs; abandoning them", self.config.timeouts.close
+                )
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
@@ -128,7 +132,9 @@ class KVStore:
 
     # -- keys --------------------------------------------------------------------------------
 
-    def chunk_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, extra: bytes | None = None) -> list[ChunkKey]:
+    def chunk_keys(
+        self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, extra: bytes | None = None
+    ) -> list[ChunkKey]:
         """Keys for this store's layout, namespace and salt."""
         return chunk_keys(token_ids, self.layout, self.namespace, salt=self._salt, extra=extra)
 
@@ -358,7 +364,10 @@ class KVStore:
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        tiers = {tier.name: {**tier.stats_dict(), "queued": queue.qsize()} for tier, queue in zip(self.tiers, self._queues)}
+        tiers = {
+            tier.name: {**tier.stats_dict(), "queued": queue.qsize()}
+            for tier, queue in zip(self.tiers, self._queues, strict=False)
+        }
         return {"store": dict(self._counters), "dram": self.pool.stats(), **tiers}
 
     def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:

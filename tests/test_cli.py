@@ -13,7 +13,9 @@ runner = CliRunner()
 
 
 def test_demo_runs_the_cascade_and_every_chunk_comes_back(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["demo", "--prompts", "3", "--tokens", "1024", "--dram", "16MiB", "--dir", str(tmp_path)])
+    result = runner.invoke(
+        app, ["demo", "--prompts", "3", "--tokens", "1024", "--dram", "16MiB", "--dir", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     assert "demo ok" in result.output
     # 3 prompts x 4 chunks, the first 2 shared: 8 unique chunks reach disk, all 12 are found after the restart.

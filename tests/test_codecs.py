@@ -97,8 +97,19 @@ def special_values(dtype: torch.dtype, shape: tuple[int, ...] = SMALL_SHAPE) -> 
     ]
     values = torch.tensor(patterns, dtype=int_dtype).view(dtype)
     floats = torch.tensor(
-        [float("nan"), -float("nan"), float("inf"), -float("inf"), finfo.max, finfo.min, finfo.tiny, finfo.eps, 1.0,
-         -1.5, 3.140625],
+        [
+            float("nan"),
+            -float("nan"),
+            float("inf"),
+            -float("inf"),
+            finfo.max,
+            finfo.min,
+            finfo.tiny,
+            finfo.eps,
+            1.0,
+            -1.5,
+            3.140625,
+        ],
         dtype=torch.float32,
     ).to(dtype)
     mixed = torch.cat([values, floats])
@@ -197,7 +208,7 @@ def test_shared_codec_objects_are_safe_across_threads(real_kv):
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             results = list(pool.map(round_trip, segments))
-        for segment, decoded in zip(segments, results):
+        for segment, decoded in zip(segments, results, strict=False):
             assert_bit_exact(decoded, segment)
 
 
@@ -321,8 +332,15 @@ def test_fp8_rejects_segments_that_are_not_four_dimensional():
 
 @pytest.mark.parametrize(
     "name",
-    ["zstd+bytesplit", "lz4+fp8", "fp8+bytesplit", "bytesplit+fp8", "bytesplit+bytesplit", "identity+fp8",
-     "zstd:3+bytesplit:3"],
+    [
+        "zstd+bytesplit",
+        "lz4+fp8",
+        "fp8+bytesplit",
+        "bytesplit+fp8",
+        "bytesplit+bytesplit",
+        "identity+fp8",
+        "zstd:3+bytesplit:3",
+    ],
 )
 def test_transform_stages_must_come_first(name):
     with pytest.raises(ValueError, match="must come first"):
@@ -533,7 +551,10 @@ def test_zstd_frame_declaring_a_huge_size_is_rejected_quickly(declared):
 
 def test_zstd_frames_that_lie_or_omit_their_size_are_rejected():
     spec = SegmentSpec(torch.uint8, (1, 1, 1, 100))
-    assert torch.equal(decode(make_codec("zstd"), zstd_small_frame(100, b"a" * 100), spec), torch.full((1, 1, 1, 100), 97, dtype=torch.uint8))
+    assert torch.equal(
+        decode(make_codec("zstd"), zstd_small_frame(100, b"a" * 100), spec),
+        torch.full((1, 1, 1, 100), 97, dtype=torch.uint8),
+    )
     for frame in (zstd_small_frame(10, b"a" * 100), zstd_small_frame(200, b"a" * 100)):
         with pytest.raises(CodecError):
             decode(make_codec("zstd"), frame, spec)

@@ -114,7 +114,7 @@ pin_memory = "never"
 
 [disk]
 enabled = false
-path = "{tmp_path / 'disk'}"
+path = "{tmp_path / "disk"}"
 capacity = "2GiB"
 codec = "zstd:3"
 
@@ -439,7 +439,12 @@ def test_config_path_that_is_a_directory(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"[dram\ncapacity = 1\n", b'queue_depth = "unterminated\n', b"queue_depth = 1\nqueue_depth = 2\n", b"\xff\xfe\x00"],
+    [
+        b"[dram\ncapacity = 1\n",
+        b'queue_depth = "unterminated\n',
+        b"queue_depth = 1\nqueue_depth = 2\n",
+        b"\xff\xfe\x00",
+    ],
     ids=["bad-table", "bad-string", "duplicate-key", "not-utf8"],
 )
 def test_malformed_toml_is_a_config_error_naming_the_file(tmp_path, content):

@@ -12,15 +12,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
+from memory_backend import MemoryBackend
 
-from kvstore.backends.base import Backend, ByteRange
+from kvstore.backends.base import Backend
 from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
-from kvstore.buffers import Buffer, as_bytes_view, tensor_bytes
+from kvstore.buffers import as_bytes_view, tensor_bytes
 from kvstore.codecs import make_codec
 from kvstore.dram import SlabPool
 from kvstore.format import encode_chunk, header_size
@@ -215,7 +216,9 @@ async def test_directories_are_private_even_without_open(tmp_path: Path):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
 
-@pytest.mark.parametrize("bad", ["../etc", "../../../../tmp/x", "ABCDEF0123", "abc", "", "0123456789abcdeg", "/etc/passwd", "a" * 129])
+@pytest.mark.parametrize(
+    "bad", ["../etc", "../../../../tmp/x", "ABCDEF0123", "abc", "", "0123456789abcdeg", "/etc/passwd", "a" * 129]
+)
 async def test_keys_that_are_not_lowercase_hex_are_rejected(tmp_path: Path, bad: str):
     root = tmp_path / "disk"
     backend = await open_backend(root)
@@ -425,7 +428,7 @@ async def test_restart_with_a_smaller_budget_evicts_the_oldest(tmp_path: Path):
     first = await open_backend(root)
     keys = [hexkey(i) for i in range(5)]
     now = time.time()
-    for age, key in zip((500, 100, 400, 200, 300), keys):
+    for age, key in zip((500, 100, 400, 200, 300), keys, strict=False):
         await first.set(key, [os.urandom(1000)])
         set_mtime(first.path_for(key), now - age)
 
@@ -830,37 +833,6 @@ async def test_tier_prefix_count(disk: DiskBackend):
 
 
 # == the Backend base class's defaults =========================================================
-
-
-class MemoryBackend(Backend):
-    """The smallest backend: only the abstract methods, so the base class's defaults are used."""
-
-    name = "memory"
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.gets = 0
-
-    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        self.gets += 1
-        data = self.objects.get(key)
-        if data is None or byte_range is None:
-            return data
-        return data[byte_range[0] : byte_range[1]]
-
-    async def set(self, key: str, parts: Sequence[Buffer]) -> None:
-        self.objects[key] = b"".join(bytes(as_bytes_view(p)) for p in parts)
-
-    async def exists(self, key: str) -> bool:
-        return key in self.objects
-
-    async def delete(self, key: str) -> None:
-        self.objects.pop(key, None)
-
-    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
-        for key in list(self.objects):
-            if key.startswith(prefix):
-                yield key
 
 
 async def test_base_get_into_get_many_and_prefix_count():

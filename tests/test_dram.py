@@ -361,7 +361,7 @@ def test_slots_do_not_overlap():
         assert torch.all(pool.tensor(slot) == float(slot + 1))
         assert bytes(pool.buffer(slot)) == bytes(pool.tensor(slot).view(torch.uint8).flatten().numpy())
     pointers = sorted(pool.tensor(slot).data_ptr() for slot in range(3))
-    assert all(b - a >= SLOT for a, b in zip(pointers, pointers[1:]))
+    assert all(b - a >= SLOT for a, b in zip(pointers, pointers[1:], strict=False))
 
 
 def test_fresh_pool_is_zeroed():

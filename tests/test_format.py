@@ -125,8 +125,11 @@ def test_round_trip_is_bit_exact(name, dtype):
     assert header.token_count == layout.chunk_tokens
 
 
-@pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview, lambda b: np.frombuffer(b, dtype=np.uint8)],
-                         ids=["bytes", "bytearray", "memoryview", "ndarray"])
+@pytest.mark.parametrize(
+    "wrap",
+    [bytes, bytearray, memoryview, lambda b: np.frombuffer(b, dtype=np.uint8)],
+    ids=["bytes", "bytearray", "memoryview", "ndarray"],
+)
 def test_decode_accepts_any_buffer(wrap):
     assert_bit_exact(decode(wrap(CONTAINERS["bytesplit"])), CHUNK)
 
@@ -531,8 +534,11 @@ def test_every_truncation_is_a_format_error():
 
 
 @FUZZ
-@given(name=st.sampled_from(FUZZ_CODECS), position=st.one_of(st.integers(0, 400), st.integers(0, 10**6)),
-       bit=st.integers(0, 7))
+@given(
+    name=st.sampled_from(FUZZ_CODECS),
+    position=st.one_of(st.integers(0, 400), st.integers(0, 10**6)),
+    bit=st.integers(0, 7),
+)
 def test_any_bit_flip_is_caught_or_harmless(name, position, bit):
     corrupted = bytearray(CONTAINERS[name])
     corrupted[position % len(corrupted)] ^= 1 << bit

@@ -156,7 +156,7 @@ PROMPT = tokens(3 * 256)
 
 
 def _all_differ(a: list[str], b: list[str]) -> bool:
-    return len(a) == len(b) > 0 and all(x != y for x, y in zip(a, b))
+    return len(a) == len(b) > 0 and all(x != y for x, y in zip(a, b, strict=False))
 
 
 def test_namespace_changes_every_key():
@@ -230,8 +230,19 @@ def test_equal_layouts_spelled_differently_give_the_same_keys():
         lambda t: torch.tensor(t, dtype=torch.int64).repeat_interleave(2)[::2],  # non-contiguous tensor
         lambda t: [np.int64(x) for x in t],
     ],
-    ids=["list", "tuple", "np.int32", "np.int64", "np.uint32", "np.>i8", "np.strided", "torch.int32", "torch.int64",
-         "torch.strided", "np.scalars"],
+    ids=[
+        "list",
+        "tuple",
+        "np.int32",
+        "np.int64",
+        "np.uint32",
+        "np.>i8",
+        "np.strided",
+        "torch.int32",
+        "torch.int64",
+        "torch.strided",
+        "np.scalars",
+    ],
 )
 def test_list_numpy_and_torch_inputs_give_identical_keys(convert):
     prompt = tokens(2 * 256 + 5)
@@ -269,8 +280,17 @@ def test_rejects_input_that_is_not_one_dimensional(bad):
         torch.ones(8, dtype=torch.bool),
         ["1", "2", "3", "4"],
     ],
-    ids=["np.float32", "np.float64", "torch.float32", "torch.bfloat16", "float-list", "mixed-list", "np.bool",
-         "torch.bool", "str"],
+    ids=[
+        "np.float32",
+        "np.float64",
+        "torch.float32",
+        "torch.bfloat16",
+        "float-list",
+        "mixed-list",
+        "np.bool",
+        "torch.bool",
+        "str",
+    ],
 )
 def test_rejects_non_integer_input(bad):
     with pytest.raises(ValueError, match="integers"):

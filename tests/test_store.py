@@ -8,16 +8,24 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from memory_backend import MemoryBackend
 
-from kvstore import KVLayout, KVStore, StoreClosedError, StoreConfig, SyncKVStore, chunk_keys
-from kvstore.backends.base import Backend, ByteRange
+from kvstore import (
+    KVLayout,
+    KVStore,
+    StoreClosedError,
+    StoreConfig,
+    SyncKVStore,
+    chunk_keys,
+)
+from kvstore.backends.base import ByteRange
 from kvstore.backends.disk import DiskBackend
-from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.buffers import Buffer
 from kvstore.codecs import make_codec
 from kvstore.threads import in_thread
 from kvstore.tier import ChunkTier
@@ -45,41 +53,28 @@ def config(tmp_path: Path, slots: int = 16, **overrides: object) -> StoreConfig:
     return StoreConfig(**values)
 
 
-class ControlledBackend(Backend):
+class ControlledBackend(MemoryBackend):
     """In-memory objects whose reads and writes can be held in a (non-cancellable) thread."""
 
     name = "controlled"
 
     def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
+        super().__init__()
         self.release_reads = threading.Event()
         self.release_writes = threading.Event()
         self.release_reads.set()
         self.release_writes.set()
         self.fail_writes = False
-        self.reads = 0
 
     async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        self.reads += 1
         await in_thread(None, self.release_reads.wait, 10)
-        return self.objects.get(key)
+        return await super().get(key, byte_range)
 
     async def set(self, key: str, parts: Sequence[Buffer]) -> None:
         await in_thread(None, self.release_writes.wait, 10)
         if self.fail_writes:
             raise OSError(28, "No space left on device")
-        self.objects[key] = b"".join(bytes(as_bytes_view(p)) for p in parts)
-
-    async def exists(self, key: str) -> bool:
-        return key in self.objects
-
-    async def delete(self, key: str) -> None:
-        self.objects.pop(key, None)
-
-    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
-        for key in list(self.objects):
-            if key.startswith(prefix):
-                yield key
+        await super().set(key, parts)
 
 
 def controlled_store(tmp_path: Path, backend: ControlledBackend, **overrides: object) -> KVStore:
@@ -266,10 +261,10 @@ async def test_concurrent_gets_of_one_chunk_share_one_read(tmp_path: Path) -> No
         await store.put(key, chunk)
         await store.flush()
         store.pool.discard(key)
-        backend.reads = 0
+        backend.gets = 0
         results = await asyncio.gather(*(store.get(key) for _ in range(8)))
         assert all(r is not None and torch.equal(r, chunk) for r in results)
-        assert backend.reads == 1
+        assert backend.gets == 1
 
 
 async def test_corrupt_disk_file_is_a_counted_miss_and_removed(tmp_path: Path) -> None:

@@ -41,7 +41,14 @@ MTIME_REFRESH_SECONDS = 10.0
 class DiskBackend(LocalBackend):
     name = "disk"
 
-    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False, executor: Executor | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: bool = False,
+        executor: Executor | None = None,
+    ):
         self.root = Path(root).expanduser()
         self._root_text = str(self.root)
         self.capacity_bytes = int(capacity_bytes)
@@ -86,7 +93,13 @@ class DiskBackend(LocalBackend):
         with self._lock:
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._used = sum(size for _, _, size in found)
-        log.info("disk tier %s: %d chunk files, %.1f MiB, budget %.1f MiB", self.root, len(found), self._used / 2**20, self.capacity_bytes / 2**20)
+        log.info(
+            "disk tier %s: %d chunk files, %.1f MiB, budget %.1f MiB",
+            self.root,
+            len(found),
+            self._used / 2**20,
+            self.capacity_bytes / 2**20,
+        )
         self._evict_to(self.capacity_bytes, keep=None)
 
     # -- reads -------------------------------------------------------------------------------
@@ -258,7 +271,12 @@ class DiskBackend(LocalBackend):
 
     def stats(self) -> dict[str, int | float | str]:
         with self._lock:
-            return {"files": len(self._index), "bytes_used": self._used, "capacity": self.capacity_bytes, "evictions": self.evictions}
+            return {
+                "files": len(self._index),
+                "bytes_used": self._used,
+                "capacity": self.capacity_bytes,
+                "evictions": self.evictions,
+            }
 
 
 class FileReader:
@@ -294,7 +312,10 @@ class FileWriter:
         views = [as_bytes_view(part) for part in parts]
         end = offset + sum(len(v) for v in views)
         if end > self._backend.capacity_bytes:
-            raise OSError(errno.EFBIG, f"a chunk file over {end} bytes exceeds disk.capacity ({self._backend.capacity_bytes} bytes)")
+            raise OSError(
+                errno.EFBIG,
+                f"a chunk file over {end} bytes exceeds disk.capacity ({self._backend.capacity_bytes} bytes)",
+            )
         _write_fully(self._fd, views, offset)
         self.size = max(self.size, end)
 

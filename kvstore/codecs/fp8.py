@@ -63,4 +63,3 @@ class Fp8Codec(Codec):
         quantized = tensor_view(data[scale_end:], torch.float8_e4m3fn, spec.shape)
         target = tensor_view(out, spec.dtype, spec.shape)
         target.copy_(quantized.float().mul_(scale))
-

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, SegmentSpec
 
