@@ -200,6 +200,8 @@ class KVStore:
         """How many leading ``keys`` some tier holds: the prefix that can be loaded, not recomputed."""
         self._check_open()
         keys = list(keys)
+        for key in keys:
+            key_to_bytes(key)
         count = 0
         while count < len(keys):
             if self.pool.contains(keys[count]):

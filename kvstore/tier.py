@@ -35,7 +35,7 @@ from kvstore.threads import in_thread
 
 log = logging.getLogger("kvstore.tier")
 T = TypeVar("T")
-BATCH_BYTES = 1 << 20  # read or write this much, then checksum it while it is still in L2 cache
+BATCH_BYTES = 1 << 20  # read this much of a file, then checksum it while it is still in L2 cache
 
 
 class ChunkTier:
