@@ -117,8 +117,9 @@ def encode_layers(layout: KVLayout, chunk: Buffer, codec: CodecPipeline) -> Iter
     step = layout.layer_nbytes
     offset = 0
     for start in range(0, len(raw), step):
-        stored = as_bytes_view(codec.encode(raw[start : start + step], spec))
-        yield stored, Segment(offset, len(stored), step, checksum(stored))
+        layer = raw[start : start + step]
+        stored = layer if codec.is_identity else as_bytes_view(codec.encode(layer, spec))
+        yield stored, Segment(offset, len(stored), step, xxhash.xxh3_64_intdigest(stored))
         offset += len(stored)
 
 
