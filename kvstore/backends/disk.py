@@ -57,7 +57,6 @@ class DiskBackend(LocalBackend):
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recent first
         self._used = 0
-        self._made_dirs: set[Path] = set()
         self.evictions = 0
 
     # -- paths -------------------------------------------------------------------------------
@@ -109,7 +108,7 @@ class DiskBackend(LocalBackend):
 
     def read(self, key: str, byte_range: ByteRange | None) -> bytes | None:
         try:
-            with open(self.path_for(key), "rb", buffering=0) as file:
+            with open(self._file(key), "rb", buffering=0) as file:
                 if byte_range is None:
                     data = file.read()
                 else:
@@ -158,7 +157,7 @@ class DiskBackend(LocalBackend):
     def contains(self, key: str) -> bool:
         """Whether the file exists now (one stat), whatever this process's index believes."""
         try:
-            size = self.path_for(key).stat().st_size
+            size = os.stat(self._file(key)).st_size
         except FileNotFoundError:
             self._forget(key)
             return False
@@ -193,17 +192,16 @@ class DiskBackend(LocalBackend):
 
     def open_writer(self, key: str) -> FileWriter:
         """A private temporary file; committing it (fsync if configured, rename) makes it visible."""
-        final = self.path_for(key)
-        temporary = final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        final = self._file(key)
+        temporary = f"{final}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             fd = os.open(temporary, flags, 0o600)
         except FileNotFoundError:  # first write in this shard, or the directory was removed under us
-            self._made_dirs.discard(final.parent)
+            shard = Path(final).parent
             # Each level 0700: mkdir(parents=True) would create root/ab with the default 0755.
-            for directory in (self.root, final.parent.parent, final.parent):
+            for directory in (self.root, shard.parent, shard):
                 directory.mkdir(mode=0o700, parents=directory == self.root, exist_ok=True)
-            self._made_dirs.add(final.parent)
             fd = os.open(temporary, flags, 0o600)
         return FileWriter(self, key, fd, temporary, final)
 
@@ -215,7 +213,7 @@ class DiskBackend(LocalBackend):
         await in_thread(self._executor, self._delete, key)
 
     def _delete(self, key: str) -> None:
-        _unlink_quietly(self.path_for(key))
+        _unlink_quietly(self._file(key))
         self._forget(key)
 
     async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
@@ -303,7 +301,7 @@ class FileReader:
 class FileWriter:
     """A temporary file filled by positioned writes; on a clean exit it is committed, else removed."""
 
-    def __init__(self, backend: DiskBackend, key: str, fd: int, temporary: Path, final: Path) -> None:
+    def __init__(self, backend: DiskBackend, key: str, fd: int, temporary: str, final: str) -> None:
         self._backend, self._key, self._fd = backend, key, fd
         self._temporary, self._final = temporary, final
         self.size = 0
