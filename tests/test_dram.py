@@ -40,6 +40,21 @@ def put(pool: SlabPool, name: object, value: float | None = None) -> int:
 # -- sizing ------------------------------------------------------------------------------------
 
 
+def run_racing_threads(worker, count: int) -> None:
+    """Run ``worker(seed)`` in ``count`` threads that switch very often, so unlocked races happen."""
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(count)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads)
+
+
 def test_slot_size_matches_layout():
     assert SLOT == 1024
 
@@ -419,17 +434,7 @@ def test_concurrent_use_keeps_the_pool_consistent():
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often, so unlocked races would actually happen
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
-    finally:
-        sys.setswitchinterval(interval)
-    assert not any(thread.is_alive() for thread in threads)
+    run_racing_threads(worker, 6)
     assert not errors, errors[0]
     assert counters["published"] > 0 and counters["hits"] > 0
 
@@ -484,17 +489,7 @@ def test_concurrent_bookkeeping_hammer_loses_no_slot_and_no_reference():
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
-    finally:
-        sys.setswitchinterval(interval)
-    assert not any(thread.is_alive() for thread in threads)
+    run_racing_threads(worker, 4)
     assert not errors, repr(errors[0])
     assert held_ok[0] == 4
     stats = pool.stats()
