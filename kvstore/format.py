@@ -73,10 +73,7 @@ class ChunkHeader:
     codec: CodecPipeline
     token_count: int
     segments: tuple[Segment, ...]
-
-    @property
-    def payload_len(self) -> int:
-        return sum(segment.stored_len for segment in self.segments)
+    payload_len: int  # the segments' stored bytes, summed once at parse time
 
     @property
     def total_len(self) -> int:
@@ -179,7 +176,7 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
         if seg.offset != offset or seg.raw_len != layout.layer_nbytes:
             raise ChunkFormatError(f"segment table entry {i} is inconsistent")
         offset += seg.stored_len
-    return ChunkHeader(header_len, codec, tokens, segments)
+    return ChunkHeader(header_len, codec, tokens, segments, offset)
 
 
 def verify_segment(header: ChunkHeader, layer: int, stored: Buffer) -> None:
