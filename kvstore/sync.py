@@ -17,7 +17,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.store import KVStore
+from kvstore.store import KVStore, StoreClosedError
 
 T = TypeVar("T")
 
@@ -38,7 +38,11 @@ class SyncKVStore:
         return await KVStore(config, layout, namespace, **kwargs).open()
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if self._loop.is_closed() or not self._thread.is_alive():
+            coroutine.close()
+            raise StoreClosedError("the SyncKVStore is closed")
         if threading.current_thread() is self._thread:
+            coroutine.close()
             raise RuntimeError("SyncKVStore methods cannot be called from its own event-loop thread")
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 

@@ -407,3 +407,30 @@ async def test_get_many_with_a_pool_too_small_for_the_batch_misses_the_rest(tmp_
         assert store.stats()["dram"]["referenced"] == 0
         later = await store.get_many(keys[2:])  # the slots are free again once the caller is served
         assert all(r is not None and torch.equal(r, make_chunk(i + 2)) for i, r in enumerate(later))
+
+
+async def test_a_store_is_usable_only_between_open_and_close(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path), LAYOUT, namespace="test")
+    key = store.chunk_keys(tokens(1))[0]
+    with pytest.raises(StoreClosedError, match="new"):
+        await store.put(key, make_chunk(0))
+    async with store:
+        assert await store.put(key, make_chunk(0))
+        with pytest.raises(RuntimeError, match="open"):
+            await store.open()
+    await store.close()  # a second close is a no-op
+    for operation in (store.lookup([key]), store.get(key)):
+        with pytest.raises(StoreClosedError, match="closed"):
+            await operation
+
+
+def test_sync_facade_after_close_raises_instead_of_hanging(tmp_path: Path) -> None:
+    store = SyncKVStore(config(tmp_path), LAYOUT, "test")
+    key = store.chunk_keys(tokens(1))[0]
+    assert store.put(key, make_chunk(0))
+    store.close()
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.get(key)
+    with pytest.raises(StoreClosedError):
+        store.put(key, make_chunk(0))
