@@ -82,9 +82,10 @@ class SlabPool:
             if self._free:
                 slot = self._free.pop()
             else:
-                slot = next((s for s in self._index.values() if self._refs[s] == 0), None)
-                if slot is None:
+                evictable = next((s for s in self._index.values() if self._refs[s] == 0), None)
+                if evictable is None:
                     return None
+                slot = evictable
                 victim = self._key_of[slot]
                 assert victim is not None
                 del self._index[victim]

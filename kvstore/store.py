@@ -30,12 +30,15 @@ from kvstore.tier import ChunkTier
 
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
-_TIMED_OUT = object()
 WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
 
 
 class StoreClosedError(RuntimeError):
     """The store was used after ``close()``."""
+
+
+class TierTimeout(TimeoutError):
+    """A tier operation ran past its configured timeout (counted; the caller treats it as a miss)."""
 
 
 class KVStore:
@@ -185,11 +188,13 @@ class KVStore:
                 batch.append(queue.get_nowait())
             try:
                 write = tier.write_many([(key, self.pool.buffer(slot)) for key, slot in batch])
-                end_of_write = lambda taken=batch: [self.pool.release(slot) for _, slot in taken]  # noqa: E731
+                end_of_write = self._releaser([slot for _, slot in batch])
                 outcomes = await self._bounded(write, self.config.timeouts.put * len(batch), tier, end_of_write)
-                for (key, _), outcome in zip(batch, outcomes if isinstance(outcomes, list) else [], strict=False):
+                for (key, _), outcome in zip(batch, outcomes, strict=True):
                     if outcome is not None:
                         log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], outcome)
+            except TierTimeout:
+                pass  # counted; the slots are released when the write really ends
             finally:
                 for _ in batch:
                     queue.task_done()
@@ -209,8 +214,11 @@ class KVStore:
                 continue
             reached = count
             for tier in self.tiers:
-                found = await self._bounded(tier.prefix_count(keys[count:]), self.config.timeouts.get, tier)
-                if found is not _TIMED_OUT and found > 0:
+                try:
+                    found = await self._bounded(tier.prefix_count(keys[count:]), self.config.timeouts.get, tier)
+                except TierTimeout:
+                    continue
+                if found > 0:
                     reached = count + found
                     break
             if reached == count:
@@ -318,14 +326,14 @@ class KVStore:
             pending = []
             try:
                 read = tier.read_many_into([keys[i] for i, _ in reserved], [self.pool.buffer(s) for _, s in reserved])
-                end_of_read = lambda taken=reserved: [self.pool.release(s) for _, s in taken]  # noqa: E731
+                end_of_read = self._releaser([slot for _, slot in reserved])
                 found = await self._bounded(read, self.config.timeouts.get * len(reserved), tier, end_of_read)
+            except TierTimeout:
+                found = [False] * len(reserved)
             except BaseException:
                 for _, slot in reserved:
                     self.pool.release(slot)
                 raise
-            if found is _TIMED_OUT:
-                found = [False] * len(reserved)
             for (i, slot), ok in zip(reserved, found, strict=True):
                 if ok and self.pool.publish(slot, keys[i]):
                     self._enqueue(self.tiers[:position], keys[i], slot)
@@ -340,11 +348,11 @@ class KVStore:
 
     async def _bounded(
         self, operation: Awaitable[T], timeout: float, tier: ChunkTier, on_end: Callable[[], None] | None = None
-    ) -> T | object:
-        """Await ``operation`` for at most ``timeout`` seconds; ``_TIMED_OUT`` past it.
+    ) -> T:
+        """Await ``operation`` for at most ``timeout`` seconds, else raise :class:`TierTimeout`.
 
         ``on_end`` runs when the operation has really ended (maybe long after a timeout): that
-        is when the slot it used may be released.
+        is when the slots it used may be released.
         """
         task = asyncio.ensure_future(operation)
         self._in_flight.add(task)
@@ -356,8 +364,17 @@ class KVStore:
             tier.stats.timeouts += 1
             log.warning("%s tier: operation exceeded its %.1fs timeout", tier.name, timeout)
             task.cancel()
-            return _TIMED_OUT
+            raise TierTimeout(tier.name)
         return task.result()
+
+    def _releaser(self, slots: list[int]) -> Callable[[], None]:
+        """A callback that drops one reference to each of ``slots`` (when an operation ends)."""
+
+        def release() -> None:
+            for slot in slots:
+                self.pool.release(slot)
+
+        return release
 
     async def flush(self) -> None:
         """Wait until every queued write has reached its tier (or failed, or timed out)."""

@@ -106,7 +106,7 @@ class DiskBackend(LocalBackend):
     async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
         return await in_thread(self._executor, self.read, key, byte_range)
 
-    def read(self, key: str, byte_range: ByteRange | None) -> bytes | None:
+    def read(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
         try:
             with open(self._file(key), "rb", buffering=0) as file:
                 if byte_range is None:

@@ -9,14 +9,12 @@ zstd's speed on half the data. For 4-byte dtypes the top two bytes are compresse
 from __future__ import annotations
 
 import struct
-import threading
 
 import numpy as np
-import zstandard
 
 from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
-from kvstore.codecs.zstd import check_zstd_level, zstd_decompress
+from kvstore.codecs.zstd import ZstdContexts, zstd_decompress
 
 _PREFIX = struct.Struct("<I")  # length of the compressed high plane
 
@@ -28,14 +26,7 @@ class ByteSplitCodec(Codec):
 
     def __init__(self, level: int | None = None) -> None:
         super().__init__(level)
-        check_zstd_level(self.name, self.level)  # else a bad level would only fail at the first encode
-        self._local = threading.local()
-
-    def _zstd(self) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
-        pair = getattr(self._local, "pair", None)
-        if pair is None:
-            pair = self._local.pair = (zstandard.ZstdCompressor(level=self.level), zstandard.ZstdDecompressor())
-        return pair
+        self._contexts = ZstdContexts(self.name, self.level)  # checks the level now, not at the first encode
 
     @staticmethod
     def _planes(buffer: np.ndarray, itemsize: int) -> tuple[np.ndarray, int]:
@@ -46,7 +37,7 @@ class ByteSplitCodec(Codec):
         rows, low_width = self._planes(np.frombuffer(data, dtype=np.uint8), spec.itemsize)
         high = np.ascontiguousarray(rows[:, low_width:])
         low = np.ascontiguousarray(rows[:, :low_width])
-        compressed = self._zstd()[0].compress(high)
+        compressed = self._contexts.compressor().compress(high)
         return b"".join((_PREFIX.pack(len(compressed)), compressed, low))
 
     def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
@@ -65,7 +56,7 @@ class ByteSplitCodec(Codec):
         low_bytes = n_elements * low_width
         if _PREFIX.size + high_len + low_bytes != len(data):
             raise CodecError("bytesplit: plane lengths do not add up to the segment length")
-        high = zstd_decompress(self._zstd()[1], data[_PREFIX.size : _PREFIX.size + high_len], spec.nbytes)
+        high = zstd_decompress(self._contexts.decompressor(), data[_PREFIX.size : _PREFIX.size + high_len], spec.nbytes)
         high_width = spec.itemsize - low_width
         if len(high) != n_elements * high_width:
             raise CodecError("bytesplit: high plane has the wrong length")

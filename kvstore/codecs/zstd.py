@@ -12,9 +12,26 @@ from kvstore.codecs.base import Codec, CodecError, SegmentSpec
 MIN_LEVEL, MAX_LEVEL = -7, 22
 
 
-def check_zstd_level(codec: str, level: int) -> None:
-    if not MIN_LEVEL <= level <= MAX_LEVEL:
-        raise ValueError(f"{codec} level must be between {MIN_LEVEL} and {MAX_LEVEL}, got {level}")
+class ZstdContexts:
+    """Compressor and decompressor for one level, one pair per worker thread (they are not thread-safe)."""
+
+    def __init__(self, codec: str, level: int | None) -> None:
+        if level is None or not MIN_LEVEL <= level <= MAX_LEVEL:
+            raise ValueError(f"{codec} level must be between {MIN_LEVEL} and {MAX_LEVEL}, got {level}")
+        self.level = level
+        self._local = threading.local()
+
+    def compressor(self) -> zstandard.ZstdCompressor:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
+        return compressor
+
+    def decompressor(self) -> zstandard.ZstdDecompressor:
+        decompressor = getattr(self._local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+        return decompressor
 
 
 class ZstdCodec(Codec):
@@ -23,28 +40,13 @@ class ZstdCodec(Codec):
 
     def __init__(self, level: int | None = None) -> None:
         super().__init__(level)
-        if not -7 <= self.level <= 22:
-            raise ValueError(f"zstd level must be between -7 and 22, got {self.level}")
-        # zstandard's (de)compressor objects are not thread-safe: one per worker thread.
-        self._local = threading.local()
-
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        compressor = getattr(self._local, "compressor", None)
-        if compressor is None:
-            compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
-        return compressor
-
-    def _decompressor(self) -> zstandard.ZstdDecompressor:
-        decompressor = getattr(self._local, "decompressor", None)
-        if decompressor is None:
-            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        return decompressor
+        self._contexts = ZstdContexts(self.name, self.level)
 
     def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        return self._compressor().compress(data)
+        return self._contexts.compressor().compress(data)
 
     def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        return zstd_decompress(self._decompressor(), data, spec.decode_limit)
+        return zstd_decompress(self._contexts.decompressor(), data, spec.decode_limit)
 
 
 def zstd_decompress(decompressor: zstandard.ZstdDecompressor, data: Buffer, limit: int) -> bytes:
