@@ -116,7 +116,7 @@ def encode_layers(layout: KVLayout, chunk: Buffer, codec: CodecPipeline) -> Iter
     for start in range(0, len(raw), step):
         layer = raw[start : start + step]
         stored = layer if codec.is_identity else as_bytes_view(codec.encode(layer, spec))
-        yield stored, Segment(offset, len(stored), step, xxhash.xxh3_64_intdigest(stored))
+        yield stored, Segment(offset, len(stored), step, checksum(stored))
         offset += len(stored)
 
 

@@ -112,8 +112,7 @@ class ChunkTier:
         if self.backend.holds(key) and self.backend.contains(key):
             return None
         parts = encode_chunk(self.layout, key, chunk, self.codec)
-        with self.backend.open_writer(key) as writer:
-            writer.write_at(0, parts)
+        self.backend.write(key, parts)
         return _total_len(parts)
 
     def holds(self, key: ChunkKey) -> bool:

@@ -89,16 +89,6 @@ class ChunkReader(Protocol):
     def __exit__(self, *exc_info: object) -> None: ...
 
 
-class ChunkWriter(Protocol):
-    """An object being written; it becomes visible, whole, when the ``with`` block ends cleanly."""
-
-    def write_at(self, offset: int, parts: Sequence[Buffer]) -> None: ...
-
-    def __enter__(self) -> ChunkWriter: ...
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None: ...
-
-
 class LocalBackend(Backend):
     """A backend whose work is plain blocking calls on this machine (files).
 
@@ -115,7 +105,8 @@ class LocalBackend(Backend):
     def open_reader(self, key: str) -> ChunkReader | None: ...
 
     @abstractmethod
-    def open_writer(self, key: str) -> ChunkWriter: ...
+    def write(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` atomically (blocking)."""
 
     @abstractmethod
     def contains(self, key: str) -> bool:

@@ -186,28 +186,42 @@ class DiskBackend(LocalBackend):
         await in_thread(self._executor, self.write, key, parts)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Write the concatenation of ``parts`` atomically (see :meth:`open_writer`)."""
-        with self.open_writer(key) as writer:
-            writer.write_at(0, parts)
+        """Write the concatenation of ``parts`` atomically.
 
-    def open_writer(self, key: str) -> FileWriter:
-        """A private temporary file; committing it (fsync if configured, rename) makes it visible."""
+        A private temporary file (0600) is filled, fsynced if configured, then renamed into
+        place, so readers in any process see the whole file or none; on failure it is removed.
+        """
+        views = [as_bytes_view(part) for part in parts]
+        size = sum(len(view) for view in views)
+        if size > self.capacity_bytes:
+            raise OSError(errno.EFBIG, f"a {size}-byte chunk exceeds disk.capacity ({self.capacity_bytes} bytes)")
         final = self._file(key)
         temporary = f"{final}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        fd = self._create(temporary)
+        try:
+            try:
+                _write_fully(fd, views)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, final)
+        except BaseException:
+            _unlink_quietly(temporary)
+            raise
+        self._remember(key, size)
+        self._evict_to(self.capacity_bytes, keep=key)
+
+    def _create(self, temporary: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(temporary, flags, 0o600)
+            return os.open(temporary, flags, 0o600)
         except FileNotFoundError:  # first write in this shard, or the directory was removed under us
-            shard = Path(final).parent
+            shard = Path(temporary).parent
             # Each level 0700: mkdir(parents=True) would create root/ab with the default 0755.
             for directory in (self.root, shard.parent, shard):
                 directory.mkdir(mode=0o700, parents=directory == self.root, exist_ok=True)
-            fd = os.open(temporary, flags, 0o600)
-        return FileWriter(self, key, fd, temporary, final)
-
-    def _commit(self, key: str, size: int) -> None:
-        self._remember(key, size)
-        self._evict_to(self.capacity_bytes, keep=key)
+            return os.open(temporary, flags, 0o600)
 
     async def delete(self, key: str) -> None:
         await in_thread(self._executor, self._delete, key)
@@ -298,47 +312,6 @@ class FileReader:
         self.close()
 
 
-class FileWriter:
-    """A temporary file filled by positioned writes; on a clean exit it is committed, else removed."""
-
-    def __init__(self, backend: DiskBackend, key: str, fd: int, temporary: str, final: str) -> None:
-        self._backend, self._key, self._fd = backend, key, fd
-        self._temporary, self._final = temporary, final
-        self.size = 0
-
-    def write_at(self, offset: int, parts: Sequence[Buffer]) -> None:
-        views = [as_bytes_view(part) for part in parts]
-        end = offset + sum(len(v) for v in views)
-        if end > self._backend.capacity_bytes:
-            raise OSError(
-                errno.EFBIG,
-                f"a chunk file over {end} bytes exceeds disk.capacity ({self._backend.capacity_bytes} bytes)",
-            )
-        _write_fully(self._fd, views, offset)
-        self.size = max(self.size, end)
-
-    def __enter__(self) -> FileWriter:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        committed = False
-        try:
-            if exc_type is None:
-                if self._backend.fsync:
-                    os.fsync(self._fd)
-                fd, self._fd = self._fd, -1
-                os.close(fd)
-                os.replace(self._temporary, self._final)
-                committed = True
-        finally:
-            if self._fd >= 0:
-                os.close(self._fd)
-            if not committed:
-                _unlink_quietly(self._temporary)
-        if committed:
-            self._backend._commit(self._key, self.size)
-
-
 def _walk_files(root: Path) -> list[tuple[Path, os.stat_result]]:
     """Every file two directory levels below ``root`` (the shard layout), with its stat."""
     found: list[tuple[Path, os.stat_result]] = []
@@ -382,12 +355,10 @@ def _advance(pending: list[memoryview], done: int) -> None:
             done = 0
 
 
-def _write_fully(fd: int, views: list[memoryview], offset: int) -> None:
+def _write_fully(fd: int, views: list[memoryview]) -> None:
     pending = [v for v in views if len(v)]
     while pending:
-        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
-        offset += written
-        _advance(pending, written)
+        _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
 
 
 def _read_fully(fd: int, views: list[memoryview], offset: int, size: int) -> int:
