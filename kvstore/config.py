@@ -21,9 +21,12 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -33,6 +36,7 @@ from pydantic_settings import (
 )
 
 from kvstore.codecs import make_codec
+from kvstore.crypto import parse_key
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
@@ -96,6 +100,85 @@ class DiskConfig(_Section):
         return value.expanduser()
 
 
+class _RemoteSection(_Section):
+    enabled: bool = False
+    prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
+    codec: str = Field("bytesplit", description="codec pipeline at this boundary, e.g. 'bytesplit' or 'fp8+zstd'")
+    connect_timeout: float = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
+
+    @field_validator("codec")
+    @classmethod
+    def _valid_codec(cls, value: str) -> str:
+        make_codec(value)
+        return value
+
+
+class S3Config(_RemoteSection):
+    """Credentials are not configured here: they come from the standard AWS chain (env, ~/.aws, roles)."""
+
+    bucket: str = Field("", description="bucket name (required when s3.enabled)")
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint, e.g. 'http://127.0.0.1:9000' (else $AWS_ENDPOINT_URL_S3 or AWS)"
+    )
+    region: str | None = Field(None, description="region (else $AWS_REGION / $AWS_DEFAULT_REGION, else us-east-1)")
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="'auto' is path style with a custom endpoint (MinIO, SeaweedFS), else virtual"
+    )
+    max_concurrency: int = Field(16, ge=1, le=1024, description="requests in flight at once")
+    multipart_threshold: Size = Field(ByteSize(16 << 20), description="objects this large upload in parts")
+    part_size: Size = Field(ByteSize(8 << 20), ge=5 << 20, description="multipart part size (S3 minimum 5MiB)")
+    max_attempts: int = Field(4, ge=1, le=20, description="tries per request; throttling and 5xx back off and retry")
+    create_bucket: bool = Field(False, description="create the bucket at start if it is missing")
+
+    @model_validator(mode="after")
+    def _bucket_when_enabled(self) -> S3Config:
+        if self.enabled and not self.bucket:
+            raise ValueError("s3.bucket is required when s3.enabled is true (set [s3] bucket or KVSTORE_S3__BUCKET)")
+        return self
+
+
+class RedisConfig(_RemoteSection):
+    url: str | None = Field(
+        None, repr=False, description="redis:// or rediss:// URL (else $REDIS_URL, else redis://127.0.0.1:6379/0)"
+    )
+    cluster: bool = Field(False, description="the URL names one node of a Redis Cluster")
+    ttl: float | None = Field(None, gt=0, description="seconds a chunk lives after its last full read (none: forever)")
+    max_connections: int = Field(32, ge=1, le=4096, description="connections in the pool (per node on a cluster)")
+
+
+class EncryptionConfig(_Section):
+    """AES-GCM per layer segment on every secondary tier, when a key is given."""
+
+    key: SecretStr | None = Field(
+        None, description="32-byte key as 64 hex characters or base64 (e.g. from $KVSTORE_ENCRYPTION__KEY)"
+    )
+    key_file: Path | None = Field(None, description="file holding the key (hex or base64), instead of 'key'")
+
+    @field_validator("key")
+    @classmethod
+    def _valid_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            parse_key(value.get_secret_value())  # raises ValueError without echoing the key
+        return value
+
+    def resolve_key(self) -> bytes | None:
+        """The raw key bytes, or None when encryption is off."""
+        if self.key is not None and self.key_file is not None:
+            raise ConfigError("encryption.key and encryption.key_file are both set; keep one of them")
+        if self.key is not None:
+            return parse_key(self.key.get_secret_value())
+        if self.key_file is not None:
+            try:
+                text = self.key_file.expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"encryption.key_file {self.key_file} cannot be read: {exc.strerror}") from None
+            try:
+                return parse_key(text)
+            except ValueError as exc:
+                raise ConfigError(f"encryption.key_file {self.key_file}: {exc}") from None
+        return None
+
+
 class TimeoutConfig(_Section):
     get: float = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
     put: float = Field(
@@ -113,6 +196,9 @@ class StoreConfig(BaseSettings):
 
     dram: DramConfig = Field(default_factory=DramConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
+    s3: S3Config = Field(default_factory=S3Config)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    encryption: EncryptionConfig = Field(default_factory=EncryptionConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")
     tier_workers: int = Field(2, ge=1, le=64, description="concurrent writes per secondary tier")
@@ -229,12 +315,14 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
             lines.append(f"  {key}: unknown key; {fix}")
             continue
         message = error["msg"].removeprefix("Value error, ")
-        description = _description(model, error["loc"])
-        lines.append(f"  {key} = {error.get('input')!r}: {message}" + (f" ({description})" if description else ""))
+        field = _field(model, error["loc"])
+        description = field.description if field else None
+        shown = "'**********'" if field is not None and _is_secret(field) else repr(error.get("input"))
+        lines.append(f"  {key} = {shown}: {message}" + (f" ({description})" if description else ""))
     return "\n".join(lines)
 
 
-def _description(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+def _field(model: type[BaseModel], loc: tuple[int | str, ...]) -> FieldInfo | None:
     current: Any = model
     field = None
     for part in loc:
@@ -243,4 +331,9 @@ def _description(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | No
             return None
         field = fields[part]
         current = field.annotation
-    return field.description if field else None
+    return field
+
+
+def _is_secret(field: FieldInfo) -> bool:
+    """Keys and URLs with passwords are never echoed back in an error."""
+    return not field.repr or "SecretStr" in str(field.annotation)

@@ -4,7 +4,8 @@ Layout (little-endian)::
 
     fixed part   magic "KVSTCHNK", version u16, flags u16, header_len u32,
                  layout fingerprint 16s, key 32s, token_count u32, num_layers u32,
-                 codec name length u16, codec name (ASCII)
+                 codec name length u16, codec name (ASCII),
+                 key id 8s (only when flags has ENCRYPTED: which key sealed the segments)
     segment table  num_layers x (offset u64, stored_len u64, raw_len u64, xxh3-64 u64)
     zero padding   up to a multiple of 4096 bytes, less the checksum
     header checksum  xxh3-64 of everything above, u64
@@ -12,8 +13,9 @@ Layout (little-endian)::
 
 Segment offsets count from the end of the header, so layer ``i`` is one byte-range read
 (``header_len + offset``) and decodes alone: remote tiers can stream layer by layer. The
-checksum covers the stored bytes, so corruption is caught before a decoder sees it. Stored
-objects are data, never code: nothing here unpickles.
+checksum covers the stored bytes, so corruption is caught before a decoder sees it. With
+encryption (:mod:`kvstore.crypto`) each stored segment is an AES-GCM box of the encoded layer.
+Stored objects are data, never code: nothing here unpickles.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvstore.codecs import (
     SegmentSpec,
     make_codec,
 )
+from kvstore.crypto import KEY_ID_BYTES, ChunkCipher, DecryptionError, associated_data
 from kvstore.keys import ChunkKey, key_to_bytes
 from kvstore.layout import KVLayout
 
@@ -44,19 +47,28 @@ _SEGMENT = struct.Struct("<QQQQ")
 _CHECKSUM = struct.Struct("<Q")
 MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
+FLAG_ENCRYPTED = 1
 
 
 class ChunkFormatError(Exception):
     """A stored object is not a valid chunk for this key and layout. Callers treat it as a miss."""
 
 
+class ForeignChunkError(ChunkFormatError):
+    """A valid chunk this store cannot open (another encryption key, or encryption on one side only).
+
+    A miss like any other, but the object is someone else's, not damaged: it is left in place.
+    """
+
+
 def checksum(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def header_size(num_layers: int, codec_id: str) -> int:
+def header_size(num_layers: int, codec_id: str, encrypted: bool = False) -> int:
     """Header bytes, padded so the payload starts on a page boundary (unaligned copies are slower)."""
     unpadded = _FIXED.size + len(codec_id.encode("ascii")) + num_layers * _SEGMENT.size + _CHECKSUM.size
+    unpadded += KEY_ID_BYTES if encrypted else 0
     return -(-unpadded // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -74,20 +86,30 @@ class ChunkHeader:
     token_count: int
     segments: tuple[Segment, ...]
     payload_len: int  # the segments' stored bytes, summed once at parse time
+    cipher: ChunkCipher | None = None  # set when the segments are sealed
+    key_bytes: bytes = b""  # the chunk's key, part of each sealed segment's associated data
+
+    @property
+    def plain(self) -> bool:
+        """Stored bytes are the layer's bytes (identity codec, no encryption): readable in place."""
+        return self.codec.is_identity and self.cipher is None
 
     @property
     def total_len(self) -> int:
         return self.header_len + self.payload_len
 
 
-def encode_header(layout: KVLayout, key: ChunkKey, codec_id: str, segments: list[Segment]) -> bytes:
+def encode_header(
+    layout: KVLayout, key: ChunkKey, codec_id: str, segments: list[Segment], key_id: bytes | None = None
+) -> bytes:
     codec_bytes = codec_id.encode("ascii")
+    size = header_size(len(segments), codec_id, key_id is not None)
     parts = [
         _FIXED.pack(
             MAGIC,
             VERSION,
-            0,
-            header_size(len(segments), codec_id),
+            0 if key_id is None else FLAG_ENCRYPTED,
+            size,
             layout.fingerprint,
             key_to_bytes(key),
             layout.chunk_tokens,
@@ -95,17 +117,20 @@ def encode_header(layout: KVLayout, key: ChunkKey, codec_id: str, segments: list
             len(codec_bytes),
         ),
         codec_bytes,
+        key_id or b"",
     ]
     parts.extend(_SEGMENT.pack(s.offset, s.stored_len, s.raw_len, s.checksum) for s in segments)
     body = b"".join(parts)
-    body += bytes(header_size(len(segments), codec_id) - len(body) - _CHECKSUM.size)  # zero padding
+    body += bytes(size - len(body) - _CHECKSUM.size)  # zero padding
     return body + _CHECKSUM.pack(checksum(body))
 
 
-def encode_layers(layout: KVLayout, chunk: Buffer, codec: CodecPipeline) -> Iterator[tuple[memoryview, Segment]]:
+def encode_layers(
+    layout: KVLayout, chunk: Buffer, codec: CodecPipeline, cipher: ChunkCipher | None = None, key: ChunkKey = ""
+) -> Iterator[tuple[memoryview, Segment]]:
     """Each layer's stored bytes and table entry, in order; each checksummed while still in cache.
 
-    With the identity codec the stored bytes are views of ``chunk`` itself: zero copies.
+    With the identity codec and no cipher the stored bytes are views of ``chunk`` itself: zero copies.
     """
     raw = as_bytes_view(chunk)
     if len(raw) != layout.chunk_nbytes:
@@ -116,14 +141,20 @@ def encode_layers(layout: KVLayout, chunk: Buffer, codec: CodecPipeline) -> Iter
     for start in range(0, len(raw), step):
         layer = raw[start : start + step]
         stored = layer if codec.is_identity else as_bytes_view(codec.encode(layer, spec))
+        if cipher is not None:
+            associated = associated_data(key_to_bytes(key), start // step, layout.fingerprint)
+            stored = memoryview(cipher.seal(stored, associated))
         yield stored, Segment(offset, len(stored), step, checksum(stored))
         offset += len(stored)
 
 
-def encode_chunk(layout: KVLayout, key: ChunkKey, chunk: Buffer, codec: CodecPipeline) -> list[Buffer]:
+def encode_chunk(
+    layout: KVLayout, key: ChunkKey, chunk: Buffer, codec: CodecPipeline, cipher: ChunkCipher | None = None
+) -> list[Buffer]:
     """The whole container as a list of buffers (header first), for a gather write or upload."""
-    encoded = list(encode_layers(layout, chunk, codec))
-    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded])
+    encoded = list(encode_layers(layout, chunk, codec, cipher, key))
+    key_id = None if cipher is None else cipher.key_id
+    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id)
     return [header, *(stored for stored, _ in encoded)]
 
 
@@ -135,24 +166,29 @@ def header_length(prefix: Buffer) -> int:
     magic, _, _, header_len = struct.unpack_from("<8sHHI", view)
     if magic != MAGIC:
         raise ChunkFormatError("not a kvstore chunk (bad magic)")
-    if not _FIXED.size < header_len <= header_size(MAX_LAYERS, "x" * MAX_CODEC_NAME):
+    if not _FIXED.size < header_len <= header_size(MAX_LAYERS, "x" * MAX_CODEC_NAME, encrypted=True):
         raise ChunkFormatError(f"header length {header_len} out of range")
     return header_len
 
 
-def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
-    """Check the header against ``layout`` and ``key``; ``data`` may hold more than the header."""
+def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCipher | None = None) -> ChunkHeader:
+    """Check the header against ``layout``, ``key`` and ``cipher``; ``data`` may hold more than the header.
+
+    A store with a cipher accepts only chunks sealed under its key; a store without one only
+    plain chunks (else anyone who can write to the bucket could plant KV past the encryption).
+    """
     view = as_bytes_view(data)
     if len(view) < _FIXED.size:
         raise ChunkFormatError(f"object is {len(view)} bytes, shorter than a chunk header")
     magic, version, flags, header_len, fingerprint, stored_key, tokens, n_layers, codec_len = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise ChunkFormatError("not a kvstore chunk (bad magic)")
-    if version != VERSION or flags != 0:
+    encrypted = bool(flags & FLAG_ENCRYPTED)
+    if version != VERSION or flags & ~FLAG_ENCRYPTED:
         raise ChunkFormatError(f"unsupported chunk format version {version} (flags {flags})")
     if not 0 < n_layers <= MAX_LAYERS or not 0 < codec_len <= MAX_CODEC_NAME:
         raise ChunkFormatError("header counts out of range")
-    expected_len = header_size(n_layers, "x" * codec_len)
+    expected_len = header_size(n_layers, "x" * codec_len, encrypted)
     if header_len != expected_len or len(view) < header_len:
         raise ChunkFormatError(f"header length {header_len} is inconsistent (object has {len(view)} bytes)")
     body_end = header_len - _CHECKSUM.size
@@ -169,14 +205,21 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey) -> ChunkHeader:
         codec = _codec_named(bytes(view[codec_start : codec_start + codec_len]).decode("ascii"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChunkFormatError(f"unknown codec in header: {exc}") from None
-    table = struct.unpack_from(f"<{4 * n_layers}Q", view, codec_start + codec_len)
+    table_start = codec_start + codec_len + (KEY_ID_BYTES if encrypted else 0)
+    if encrypted and cipher is None:
+        raise ForeignChunkError("chunk is encrypted and this store has no encryption key")
+    if cipher is not None and not encrypted:
+        raise ForeignChunkError("chunk is not encrypted and this store requires encryption")
+    if cipher is not None and bytes(view[codec_start + codec_len : table_start]) != cipher.key_id:
+        raise ForeignChunkError("chunk was encrypted under another key")
+    table = struct.unpack_from(f"<{4 * n_layers}Q", view, table_start)
     segments = tuple(Segment._make(table[i : i + 4]) for i in range(0, len(table), 4))
     offset = 0
     for i, seg in enumerate(segments):
         if seg.offset != offset or seg.raw_len != layout.layer_nbytes:
             raise ChunkFormatError(f"segment table entry {i} is inconsistent")
         offset += seg.stored_len
-    return ChunkHeader(header_len, codec, tokens, segments, offset)
+    return ChunkHeader(header_len, codec, tokens, segments, offset, cipher, bytes(stored_key))
 
 
 def verify_segment(header: ChunkHeader, layer: int, stored: Buffer) -> None:
@@ -189,8 +232,10 @@ def decode_layer(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buff
     """Verify and decode one layer's stored bytes into ``out`` (``layout.layer_nbytes`` long)."""
     verify_segment(header, layer, stored)
     try:
+        if header.cipher is not None:
+            stored = header.cipher.open(stored, associated_data(header.key_bytes, layer, layout.fingerprint))
         header.codec.decode_into(stored, SegmentSpec(layout.dtype, layout.layer_shape), out)
-    except CodecError as exc:
+    except (CodecError, DecryptionError) as exc:
         raise ChunkFormatError(f"layer {layer}: {exc}") from None
 
 
@@ -207,10 +252,12 @@ def decode_payload(header: ChunkHeader, layout: KVLayout, payload: Buffer, out: 
         decode_layer(header, layout, layer, stored, out_view[layer * step : (layer + 1) * step])
 
 
-def decode_chunk(data: Buffer, layout: KVLayout, key: ChunkKey, out: Buffer) -> ChunkHeader:
+def decode_chunk(
+    data: Buffer, layout: KVLayout, key: ChunkKey, out: Buffer, cipher: ChunkCipher | None = None
+) -> ChunkHeader:
     """Check and decode a whole container into ``out``; any defect raises ChunkFormatError."""
     view = as_bytes_view(data)
-    header = parse_header(view, layout, key)
+    header = parse_header(view, layout, key, cipher)
     if len(view) != header.total_len:
         raise ChunkFormatError(f"object is {len(view)} bytes, header says {header.total_len}")
     decode_payload(header, layout, view[header.header_len :], out)

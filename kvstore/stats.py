@@ -16,6 +16,7 @@ class TierStats:
     timeouts: int = 0  # an operation ran past its configured timeout
     drops: int = 0  # a write skipped because the tier's queue was full or the store was closing
     corrupt: int = 0  # an object failed its checks: counted, removed, treated as a miss
+    foreign: int = 0  # a valid object this store cannot open (another encryption key): a miss, left in place
     skipped: int = 0  # a write skipped because the tier already held the chunk
 
     def as_dict(self) -> dict[str, int]:

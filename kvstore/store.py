@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
-from kvstore.config import StoreConfig
+from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
+from kvstore.crypto import ChunkCipher
 from kvstore.dram import SlabPool
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes
 from kvstore.layout import KVLayout
@@ -69,11 +71,19 @@ class KVStore:
         self._state = "new"
 
     def _tiers_from_config(self) -> list[ChunkTier]:
-        disk = self.config.disk
-        if not disk.enabled:
-            return []
-        backend = DiskBackend(disk.path, int(disk.capacity), fsync=disk.fsync, executor=self._executor)
-        return [ChunkTier(backend, make_codec(disk.codec), self.layout, self._executor)]
+        """Fastest first: disk, then Redis, then S3 (each enabled in the config)."""
+        config, tiers = self.config, []
+        key = config.encryption.resolve_key()
+        cipher = ChunkCipher(key) if key is not None else None
+        if config.disk.enabled:
+            disk = config.disk
+            backend = DiskBackend(disk.path, int(disk.capacity), fsync=disk.fsync, executor=self._executor)
+            tiers.append(ChunkTier(backend, make_codec(disk.codec), self.layout, self._executor, cipher=cipher))
+        for remote in (config.redis, config.s3):
+            if remote.enabled:
+                backend = remote_backend(remote, config.timeouts)
+                tiers.append(ChunkTier(backend, make_codec(remote.codec), self.layout, self._executor, cipher=cipher))
+        return tiers
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -395,3 +405,35 @@ class KVStore:
                 f"{what} must be a {self.layout.dtype} tensor of shape {self.layout.chunk_shape} "
                 f"([layers, planes, tokens, heads, head_dim]), got {tensor.dtype} {tuple(tensor.shape)}"
             )
+
+
+def remote_backend(remote: S3Config | RedisConfig, timeouts: TimeoutConfig) -> Backend:
+    """The backend a remote config section describes (imported here: only used tiers load their client)."""
+    if isinstance(remote, S3Config):
+        from kvstore.backends.s3 import S3Backend
+
+        return S3Backend(
+            remote.bucket,
+            prefix=remote.prefix,
+            endpoint_url=remote.endpoint_url,
+            region=remote.region,
+            addressing_style=remote.addressing_style,
+            max_concurrency=remote.max_concurrency,
+            multipart_threshold=int(remote.multipart_threshold),
+            part_size=int(remote.part_size),
+            max_attempts=remote.max_attempts,
+            connect_timeout=remote.connect_timeout,
+            read_timeout=max(timeouts.get, timeouts.put),
+            create_bucket=remote.create_bucket,
+        )
+    from kvstore.backends.redis import RedisBackend
+
+    return RedisBackend(
+        remote.url,
+        cluster=remote.cluster,
+        prefix=remote.prefix,
+        ttl=remote.ttl,
+        max_connections=remote.max_connections,
+        connect_timeout=remote.connect_timeout,
+        socket_timeout=timeouts.get,
+    )

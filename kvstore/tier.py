@@ -17,9 +17,11 @@ from typing import TypeVar
 from kvstore.backends.base import Backend, ChunkReader, LocalBackend
 from kvstore.buffers import Buffer
 from kvstore.codecs import CodecPipeline
+from kvstore.crypto import ChunkCipher
 from kvstore.format import (
     ChunkFormatError,
     ChunkHeader,
+    ForeignChunkError,
     checksum,
     decode_chunk,
     decode_layer,
@@ -46,15 +48,18 @@ class ChunkTier:
         layout: KVLayout,
         executor: Executor | None,
         parallel_reads: int = 2,
+        cipher: ChunkCipher | None = None,
     ):
         self.backend = backend
         self.parallel_reads = parallel_reads
         self.codec = codec
+        self.cipher = cipher
         self.layout = layout
         self.name = backend.name
         self.stats = TierStats()
         self._executor = executor
-        self._header_guess = header_size(layout.num_layers, codec.id)  # exact unless the codec changed
+        # exact unless the codec changed
+        self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
         self._batch_layers = min(layout.num_layers, max(1, BATCH_BYTES // layout.layer_nbytes))
 
     async def open(self) -> None:
@@ -97,7 +102,7 @@ class ChunkTier:
         return results
 
     async def _write_remote(self, key: ChunkKey, chunk: memoryview) -> int:
-        parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec)
+        parts = await in_thread(self._executor, encode_chunk, self.layout, key, chunk, self.codec, self.cipher)
         await self.backend.set(key, parts)
         return _total_len(parts)
 
@@ -111,7 +116,7 @@ class ChunkTier:
         assert isinstance(self.backend, LocalBackend)
         if self.backend.holds(key) and self.backend.contains(key):
             return None
-        parts = encode_chunk(self.layout, key, chunk, self.codec)
+        parts = encode_chunk(self.layout, key, chunk, self.codec, self.cipher)
         self.backend.write(key, parts)
         return _total_len(parts)
 
@@ -143,7 +148,11 @@ class ChunkTier:
         return [await self._account(key, outcome) for key, outcome in zip(keys, outcomes, strict=True)]
 
     async def _account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
-        """Count one read's outcome; a corrupt object is removed."""
+        """Count one read's outcome; a corrupt object is removed, a foreign one left alone."""
+        if isinstance(outcome, ForeignChunkError):
+            self.stats.foreign += 1
+            log.warning("%s tier: chunk %s cannot be opened here (%s)", self.name, key[:16], outcome)
+            return False
         if isinstance(outcome, ChunkFormatError):
             await self._discard_corrupt(key, outcome)
             return False
@@ -169,16 +178,17 @@ class ChunkTier:
         with reader:
             # One read for the header and, if the file is what we write, the first layer batch.
             head = memoryview(bytearray(self._header_guess))
-            first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if self.codec.is_identity else out[:0]
+            plain = self.codec.is_identity and self.cipher is None
+            first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if plain else out[:0]
             got = reader.readinto([head, first_batch], 0)
             needed = header_length(head[: min(got, len(head))])
             if needed > len(head):
                 head = memoryview(bytearray(needed))
                 reader.readinto([head], 0)
-            header = parse_header(head[:needed], self.layout, key)
+            header = parse_header(head[:needed], self.layout, key, self.cipher)
             if reader.size != header.total_len:
                 raise ChunkFormatError(f"file is {reader.size} bytes, header says {header.total_len}")
-            if header.codec.is_identity:
+            if header.plain:
                 already = self._batch_layers if needed == len(head) == self._header_guess and len(first_batch) else 0
                 self._read_identity(reader, header, out, already)
             else:
@@ -214,8 +224,39 @@ class ChunkTier:
         data = await self.backend.get(key)
         if data is None:
             return None
-        await in_thread(self._executor, decode_chunk, data, self.layout, key, out)
+        await in_thread(self._executor, decode_chunk, data, self.layout, key, out, self.cipher)
         return len(data)
+
+    async def read_layer(self, key: ChunkKey, layer: int, out: memoryview) -> bool:
+        """Fill ``out`` with one layer of the chunk using two range reads (header, then segment).
+
+        The building block of layer-streamed loads from remote tiers; False on a miss of any kind.
+        """
+        try:
+            outcome = await self._read_layer(key, layer, out)
+        except Exception as exc:
+            return await self._account(key, exc)
+        return await self._account(key, outcome)
+
+    async def _read_layer(self, key: ChunkKey, layer: int, out: memoryview) -> int | None:
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.layout.num_layers} layers")
+        head = await self.backend.get(key, (0, self._header_guess))
+        if head is None:
+            return None
+        needed = header_length(head)
+        if needed > len(head):
+            head = await self.backend.get(key, (0, needed))
+            if head is None:
+                return None
+        header = parse_header(head, self.layout, key, self.cipher)
+        segment = header.segments[layer]
+        start = header.header_len + segment.offset
+        stored = await self.backend.get(key, (start, start + segment.stored_len))
+        if stored is None:
+            return None
+        await in_thread(self._executor, decode_layer, header, self.layout, layer, stored, out)
+        return len(stored)
 
     async def _discard_corrupt(self, key: ChunkKey, exc: ChunkFormatError) -> None:
         self.stats.corrupt += 1
@@ -235,7 +276,8 @@ class ChunkTier:
             return 0
 
     def stats_dict(self) -> dict[str, int | float | str]:
-        return {**self.stats.as_dict(), "codec": self.codec.id, **self.backend.stats()}
+        """The tier's counters, then the backend's own figures (the tier's win a name clash)."""
+        return {**self.backend.stats(), **self.stats.as_dict(), "codec": self.codec.id}
 
 
 def _total_len(parts: list[Buffer]) -> int:

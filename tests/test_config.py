@@ -498,3 +498,83 @@ def test_plain_constructor_reads_the_file_named_by_kvstore_config(tmp_path, monk
     monkeypatch.setenv("KVSTORE_CONFIG", str(tmp_path / "missing.toml"))
     with pytest.raises(ConfigError, match="KVSTORE_CONFIG"):
         StoreConfig()
+
+
+# -- remote tiers and encryption --------------------------------------------------------------------
+
+
+def test_remote_tiers_are_off_by_default_and_configurable_from_toml(tmp_path):
+    assert not StoreConfig().s3.enabled and not StoreConfig().redis.enabled
+    path = write_toml(
+        tmp_path,
+        '[s3]\nenabled = true\nbucket = "kv-archive"\nendpoint_url = "http://127.0.0.1:9000"\n'
+        'part_size = "16MiB"\ncodec = "fp8+zstd"\n[redis]\nenabled = true\nurl = "redis://cache:6379/2"\n'
+        "cluster = true\nttl = 3600\n",
+    )
+    config = StoreConfig.load(path)
+    assert config.s3.bucket == "kv-archive" and config.s3.part_size == 16 * MiB and config.s3.codec == "fp8+zstd"
+    assert config.s3.addressing_style == "auto" and config.s3.prefix == "kvstore"
+    assert config.redis.cluster and config.redis.ttl == 3600 and config.redis.url == "redis://cache:6379/2"
+
+
+def test_s3_without_a_bucket_names_the_key_and_the_fix(monkeypatch):
+    monkeypatch.setenv("KVSTORE_S3__ENABLED", "true")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), "s3", "bucket", "KVSTORE_S3__BUCKET")
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"s3": {"part_size": "1MiB"}}, "s3.part_size"),
+        ({"s3": {"addressing_style": "sideways"}}, "s3.addressing_style"),
+        ({"s3": {"codec": "gzip"}}, "s3.codec"),
+        ({"redis": {"ttl": -5}}, "redis.ttl"),
+        ({"redis": {"max_connections": 0}}, "redis.max_connections"),
+    ],
+)
+def test_bad_remote_values_name_the_key(kwargs, key):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(**kwargs)
+    assert key in error_text(excinfo)
+
+
+def test_redis_url_with_a_password_is_not_in_the_repr():
+    config = StoreConfig(redis={"url": "redis://user:hunter2@cache:6379/0"})
+    assert "hunter2" not in repr(config) and "hunter2" not in str(config)
+
+
+def test_encryption_key_from_env_in_hex_or_base64(monkeypatch):
+    import base64
+
+    key = os.urandom(32)
+    monkeypatch.setenv("KVSTORE_ENCRYPTION__KEY", key.hex())
+    config = StoreConfig()
+    assert config.encryption.resolve_key() == key
+    assert key.hex() not in repr(config)
+    monkeypatch.setenv("KVSTORE_ENCRYPTION__KEY", base64.b64encode(key).decode())
+    assert StoreConfig().encryption.resolve_key() == key
+
+
+def test_encryption_key_file(tmp_path):
+    key = os.urandom(32)
+    (tmp_path / "key").write_text(key.hex() + "\n")
+    assert StoreConfig(encryption={"key_file": tmp_path / "key"}).encryption.resolve_key() == key
+    with pytest.raises(ConfigError, match="cannot be read"):
+        StoreConfig(encryption={"key_file": tmp_path / "missing"}).encryption.resolve_key()
+    with pytest.raises(ConfigError, match="both set"):
+        StoreConfig(encryption={"key_file": tmp_path / "key", "key": key.hex()}).encryption.resolve_key()
+
+
+@pytest.mark.parametrize("bad", ["too-short", "00" * 31, "zz" * 32, "c2VjcmV0"])
+def test_a_bad_encryption_key_is_rejected_without_echoing_it(bad):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(encryption={"key": bad})
+    text = error_text(excinfo)
+    assert_mentions(text, "encryption.key", "32 bytes")
+    assert bad not in text
+
+
+def test_no_encryption_key_means_no_encryption():
+    assert StoreConfig().encryption.resolve_key() is None

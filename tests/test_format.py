@@ -353,7 +353,7 @@ def _set(index: int, value):
     [
         (_set(0, b"KVSTCHNX"), "magic"),
         (_set(1, VERSION + 1), "version"),
-        (_set(2, 1), "flags"),
+        (_set(2, 2), "flags"),  # an unknown flag (1 is ENCRYPTED)
         (_set(4, KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, chunk_tokens=32).fingerprint), "layout"),
         (_set(5, bytes(32)), "another key"),
         (_set(6, 32), "shape"),
