@@ -221,11 +221,43 @@ class ChunkTier:
             decode_layer(header, self.layout, layer, stored, out[layer * step : (layer + 1) * step])
 
     async def _read_remote(self, key: ChunkKey, out: memoryview) -> int | None:
+        if self.codec.is_identity and self.cipher is None:
+            return await self._read_remote_plain(key, out)
         data = await self.backend.get(key)
         if data is None:
             return None
         await in_thread(self._executor, decode_chunk, data, self.layout, key, out, self.cipher)
         return len(data)
+
+    async def _read_remote_plain(self, key: ChunkKey, out: memoryview) -> int | None:
+        """Stored bytes are the chunk's bytes: receive the payload straight into ``out``, then check it.
+
+        Saves a copy of the whole chunk (the backend scatters the body into the header buffer and
+        the slot); a header of unexpected size falls back to a plain get.
+        """
+        head = memoryview(bytearray(self._header_guess))
+        size = await self.backend.get_into(key, [head, out])
+        if size is None:
+            return None
+        expected = size == len(head) + len(out) and header_length(head) == len(head)
+        if expected and await in_thread(self._executor, self._check_plain, key, head, out):
+            return size
+        data = await self.backend.get(key)  # another writer's codec, or a damaged object: the general path
+        if data is None:
+            return None
+        await in_thread(self._executor, decode_chunk, data, self.layout, key, out, self.cipher)
+        return len(data)
+
+    def _check_plain(self, key: ChunkKey, head: memoryview, out: memoryview) -> bool:
+        """Verify a payload received in place; False when the header says it is not plain after all."""
+        header = parse_header(head, self.layout, key, self.cipher)
+        if not header.plain or header.payload_len != len(out):
+            return False
+        step = self.layout.layer_nbytes
+        for layer, segment in enumerate(header.segments):
+            if checksum(out[layer * step : (layer + 1) * step]) != segment.checksum:
+                raise ChunkFormatError(f"layer {layer} failed its checksum")
+        return True
 
     async def read_layer(self, key: ChunkKey, layer: int, out: memoryview) -> bool:
         """Fill ``out`` with one layer of the chunk using two range reads (header, then segment).

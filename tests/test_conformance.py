@@ -266,11 +266,12 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.parametrize("codec", ["identity", "bytesplit"])  # in-place receive, and decode paths
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 async def test_corrupt_objects_are_counted_misses_never_wrong_data(
-    case: Case, backend: Backend, executor, corruption: str
+    case: Case, backend: Backend, executor, corruption: str, codec: str
 ):
-    tier = tier_on(backend, executor)
+    tier = tier_on(backend, executor, codec)
     (key,) = keys_for(1, seed=11)
     await tier.write(key, view(chunk(11)))
     stored = case.raw_get(key)

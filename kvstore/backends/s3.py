@@ -1,0 +1,378 @@
+"""S3 tier on aiobotocore: one object per chunk under ``<prefix>/<key>``.
+
+- Works with AWS and with path-style servers (MinIO, SeaweedFS, moto, LocalStack): "auto"
+  addressing means path style whenever a custom endpoint is configured (LMCache #3376).
+- Credentials come only from the standard AWS chain (environment, ~/.aws, instance roles);
+  they never appear in logs, errors or ``repr``.
+- Every request runs under one semaphore (``max_concurrency``, also the connection pool size);
+  botocore's "standard" retry mode backs off exponentially on throttling and 5xx answers.
+- Objects at or above ``multipart_threshold`` go up as a multipart upload whose parts are sent
+  concurrently; S3 publishes an object only when it is complete, so readers never see part of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from typing import Any, Literal
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
+
+from kvstore.backends.base import Backend, ByteRange
+from kvstore.buffers import Buffer, as_bytes_view
+
+log = logging.getLogger("kvstore.s3")
+
+_KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
+_MIN_PART = 5 << 20  # S3's smallest allowed part (all but the last)
+_MAX_PARTS = 10_000
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_COUNTERS = ("requests", "retries", "bytes_uploaded", "bytes_downloaded", "multipart_uploads")
+
+
+class S3BackendError(RuntimeError):
+    """The bucket cannot be used (absent, forbidden, unreachable); the message names bucket and endpoint."""
+
+
+class S3Backend(Backend):
+    name = "s3"
+    supports_partial_reads = True
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        prefix: str = "kvstore",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing_style: Literal["auto", "path", "virtual"] = "auto",
+        max_concurrency: int = 16,
+        multipart_threshold: int = 16 << 20,
+        part_size: int = 8 << 20,
+        max_attempts: int = 4,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 30.0,
+        create_bucket: bool = False,
+    ) -> None:
+        if part_size < _MIN_PART:
+            raise ValueError(f"part_size must be at least {_MIN_PART} bytes (an S3 limit), got {part_size}")
+        if max_concurrency < 1 or max_attempts < 1:
+            raise ValueError("max_concurrency and max_attempts must be at least 1")
+        self.bucket, self.prefix, self.endpoint_url, self.region = bucket, prefix.strip("/"), endpoint_url, region
+        self.multipart_threshold, self.part_size, self.create_bucket = multipart_threshold, part_size, create_bucket
+        self.connect_timeout = connect_timeout
+        if addressing_style == "auto":  # custom servers rarely resolve bucket.host names (LMCache #3376)
+            addressing_style = "path" if endpoint_url or _endpoint_from_environment() else "virtual"
+        self.addressing_style = addressing_style
+        self._config = AioConfig(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            # Exponential backoff on 5xx and throttling. botocore's own "max_attempts" counts retries
+            # only; "total_max_attempts" counts the first try too, as our max_attempts does.
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+            max_pool_connections=max_concurrency,
+            s3={"addressing_style": addressing_style},
+            # Containers carry per-layer checksums (and SigV4 hashes payloads over plain HTTP), so
+            # transport CRCs would only cost CPU; "when_required" also suits servers that lack them.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._base = f"{self.prefix}/" if self.prefix else ""
+        self._limit = asyncio.Semaphore(max_concurrency)
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+        self.requests = self.retries = self.multipart_uploads = 0
+        self.bytes_uploaded = self.bytes_downloaded = 0
+
+    def __repr__(self) -> str:
+        return f"S3Backend(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint={self._endpoint()!r})"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        session = AioSession()
+        region = self.region or os.environ.get("AWS_REGION") or session.get_config_variable("region") or "us-east-1"
+        stack = AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(
+                session.create_client("s3", region_name=region, endpoint_url=self.endpoint_url, config=self._config)
+            )
+            self._stack = stack
+            await self._check_bucket()
+        except BaseException:
+            self._stack = None
+            await stack.aclose()
+            self._client = None
+            raise
+        log.info("s3 tier: bucket %s at %s, prefix %r", self.bucket, self._endpoint(), self.prefix)
+
+    async def _check_bucket(self) -> None:
+        """HeadBucket (creating the bucket if asked), so a wrong name or key fails at start, clearly."""
+        where = f"S3 bucket {self.bucket!r} at {self._endpoint()}"
+        try:
+            async with asyncio.timeout(self.connect_timeout * 3):  # an engine's start is not held hostage
+                await self._call("head_bucket", Bucket=self.bucket)
+            return
+        except ClientError as exc:
+            status, code = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"), _code(exc)
+            if status in (401, 403):
+                raise S3BackendError(f"{where}: access denied ({code}); check the AWS credentials") from None
+            if status != 404:
+                raise S3BackendError(f"{where}: HeadBucket failed ({code}, HTTP {status})") from None
+        except (BotoCoreError, OSError, TimeoutError) as exc:
+            # Unreachable now: the engine still starts, requests fail (counted) until the server is back.
+            log.warning("s3 tier: %s is not reachable yet (%s); will keep trying", where, type(exc).__name__)
+            return
+        if not self.create_bucket:
+            raise S3BackendError(f"{where} does not exist (create it, or set create_bucket=True)")
+        try:
+            region = self._client.meta.region_name
+            where_to = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+            await self._call("create_bucket", Bucket=self.bucket, **where_to)
+            log.info("s3 tier: created bucket %s", self.bucket)
+        except ClientError as exc:
+            if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    def _endpoint(self) -> str:
+        if self._client is not None:
+            return str(self._client.meta.endpoint_url)
+        return self.endpoint_url or "(default AWS endpoint)"
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        if not _KEY_PATTERN.fullmatch(key):
+            raise ValueError(f"s3 keys are 8-128 lowercase hex characters, got {key!r}")
+        return self._base + key
+
+    async def _call(self, operation: str, **params: Any) -> dict[str, Any]:
+        """One API call under the concurrency limit, counted (with botocore's retries)."""
+        async with self._limit:
+            return await self._send(operation, **params)
+
+    async def _send(self, operation: str, **params: Any) -> dict[str, Any]:
+        if self._client is None:
+            raise RuntimeError("S3Backend is not open")
+        self.requests += 1
+        try:
+            response: dict[str, Any] = await getattr(self._client, operation)(**params)
+        except ClientError as exc:
+            self.retries += exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+            raise
+        self.retries += response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+        return response
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
+        if byte_range is not None and byte_range[1] <= byte_range[0]:  # an empty range cannot be asked for
+            return b"" if await self.exists(key) else None
+        async with self._limit:
+            try:
+                response = await self._get_object(key, byte_range)
+            except ClientError as exc:
+                if _code(exc) == "InvalidRange":  # the range starts past the end: like reading past EOF
+                    return b""
+                raise
+            if response is None:
+                return None
+            async with response["Body"] as body:
+                data: bytes = await body.read()
+        self.bytes_downloaded += len(data)
+        return data
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
+        """Stream the body straight into ``buffers``: one copy instead of two.
+
+        Measured on moto and SeaweedFS: 40 MiB in ~50 ms against ~100 ms for ``get`` plus a copy.
+        """
+        async with self._limit:
+            response = await self._get_object(key, None)
+            if response is None:
+                return None
+            size, got = int(response["ContentLength"]), 0
+            targets = [as_bytes_view(buffer) for buffer in buffers if len(buffer)]
+            index = position = 0
+            async with response["Body"] as body:
+                async for chunk in _chunks(body):
+                    got += len(chunk)
+                    view = memoryview(chunk)
+                    while len(view) and index < len(targets):
+                        target = targets[index]
+                        take = min(len(view), len(target) - position)
+                        target[position : position + take] = view[:take]
+                        view, position = view[take:], position + take
+                        if position == len(target):
+                            index, position = index + 1, 0
+        if got != size:
+            raise IncompleteReadError(actual_bytes=got, expected_bytes=size)
+        self.bytes_downloaded += got
+        return size
+
+    async def _get_object(self, key: str, byte_range: ByteRange | None) -> dict[str, Any] | None:
+        """GetObject (the caller holds the semaphore); None when the key is absent."""
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._name(key)}
+        if byte_range is not None:
+            params["Range"] = f"bytes={byte_range[0]}-{byte_range[1] - 1}"
+        try:
+            return await self._send("get_object", **params)
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return None
+            raise
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self._call("head_object", Bucket=self.bucket, Key=self._name(key))
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return False
+            raise  # 403 included: wrong credentials must not read as "absent"
+        return True
+
+    async def prefix_count(self, keys: Sequence[str]) -> int:
+        """How many leading keys exist, in about log2(n) HEADs instead of n.
+
+        Keys form a hash chain, so a present key's predecessors are usually present too: check
+        the last (all cached: one request), then the first (nothing cached: two), then bisect.
+        A hole (a middle chunk evicted alone) makes the answer an upper bound; the ``get`` that
+        follows misses on the hole and the store recomputes from there.
+        """
+        n = len(keys)
+        if n == 0:
+            return 0
+        if await self.exists(keys[-1]):
+            return n
+        if n == 1 or not await self.exists(keys[0]):
+            return 0
+        present, absent = 0, n - 1  # invariant: keys[present] exists, keys[absent] does not
+        while absent - present > 1:
+            middle = (present + absent) // 2
+            if await self.exists(keys[middle]):
+                present = middle
+            else:
+                absent = middle
+        return present + 1
+
+    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._base + prefix}
+        while True:
+            page = await self._call("list_objects_v2", **params)
+            for entry in page.get("Contents", ()):
+                key = entry["Key"][len(self._base) :]
+                if _KEY_PATTERN.fullmatch(key):
+                    yield key
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            params["ContinuationToken"] = token
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def set(self, key: str, parts: Sequence[Buffer]) -> None:
+        name = self._name(key)
+        views = [as_bytes_view(part) for part in parts]
+        size = sum(len(view) for view in views)
+        if size < self.multipart_threshold:
+            only = parts[0] if len(parts) == 1 else None
+            body = only if isinstance(only, bytes | bytearray) else b"".join(views)  # botocore wants bytes
+            await self._call("put_object", Bucket=self.bucket, Key=name, Body=body)
+        else:
+            await self._multipart(name, views, size)
+        self.bytes_uploaded += size
+
+    async def _multipart(self, name: str, views: list[memoryview], size: int) -> None:
+        """Parts go up concurrently (each built only once it holds the semaphore); abort on failure."""
+        step = max(self.part_size, -(-size // _MAX_PARTS))
+        upload = await self._call("create_multipart_upload", Bucket=self.bucket, Key=name)
+        upload_id = upload["UploadId"]
+        self.multipart_uploads += 1
+
+        async def send(number: int, start: int) -> dict[str, Any]:
+            async with self._limit:
+                body = b"".join(_slices(views, start, min(start + step, size)))
+                response = await self._send(
+                    "upload_part", Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=body
+                )
+            return {"PartNumber": number, "ETag": response["ETag"]}
+
+        tasks = [asyncio.ensure_future(send(i + 1, start)) for i, start in enumerate(range(0, size, step))]
+        try:
+            done = await asyncio.gather(*tasks)
+            await self._call(
+                "complete_multipart_upload",
+                Bucket=self.bucket,
+                Key=name,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": list(done)},
+            )
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.shield(self._abort(name, upload_id))
+            raise
+
+    async def _abort(self, name: str, upload_id: str) -> None:
+        try:
+            await self._call("abort_multipart_upload", Bucket=self.bucket, Key=name, UploadId=upload_id)
+        except Exception as exc:  # best effort: a bucket lifecycle rule should sweep what is left
+            log.warning("s3 tier: could not abort the multipart upload of %s: %r", name, exc)
+
+    async def delete(self, key: str) -> None:
+        await self._call("delete_object", Bucket=self.bucket, Key=self._name(key))
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Requests are API calls; retries are botocore's extra attempts (``RetryAttempts``) among them."""
+        return {name: getattr(self, name) for name in _COUNTERS}
+
+
+def _slices(views: list[memoryview], start: int, end: int) -> list[memoryview]:
+    """The pieces of the concatenation of ``views`` between ``start`` and ``end``, without copying."""
+    pieces, offset = [], 0
+    for view in views:
+        low, high = max(start - offset, 0), min(end - offset, len(view))
+        if low < high:
+            pieces.append(view[low:high])
+        offset += len(view)
+        if offset >= end:
+            break
+    return pieces
+
+
+async def _chunks(body: Any) -> AsyncIterator[bytes]:
+    """The body's chunks as aiohttp received them (``read()`` joins them twice over)."""
+    content = getattr(body.raw_stream, "content", None)
+    if content is None:  # another HTTP client under aiobotocore: its public API
+        async for chunk in body.iter_chunks(1 << 20):
+            yield chunk
+        return
+    while True:
+        chunk, _ = await content.readchunk()
+        if chunk:
+            yield chunk
+        elif content.at_eof():
+            return
+
+
+def _code(exc: ClientError) -> str | None:
+    return exc.response.get("Error", {}).get("Code")
+
+
+def _endpoint_from_environment() -> bool:
+    """Whether botocore will take a custom S3 endpoint from the environment (AWS_ENDPOINT_URL[_S3])."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return False
+    return bool(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
