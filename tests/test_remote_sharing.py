@@ -97,3 +97,27 @@ def test_encrypted_chunks_are_shared_only_with_the_key(redis_server):
     assert wrong["stats"]["redis"]["foreign"] == wrong["found"] == 5 and wrong["stats"]["redis"]["corrupt"] == 0
     right = run_engine("reader", {**env, "KVSTORE_ENCRYPTION__KEY": key})
     assert right["found"] == 5 and right["exact"] == [True] * 5
+
+
+async def test_a_tenant_salt_keeps_chunks_unfindable_by_other_tenants(redis_server):
+    """Same prompt, same model, same archive: another tenant's salt yields other keys, so no hit."""
+    import torch
+
+    from kvstore import KVLayout, KVStore, StoreConfig
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, chunk_tokens=16, dtype=torch.bfloat16)
+    section = {"enabled": True, "url": redis_server.url, "prefix": f"tenants-{uuid.uuid4().hex[:8]}"}
+    config = StoreConfig(dram={"capacity": "1MiB"}, disk={"enabled": False}, redis=section)
+    tokens = list(range(64))
+    kv = torch.ones(layout.chunk_shape, dtype=layout.dtype)
+    async with KVStore(config, layout, "shared-model", salt=b"tenant-a") as tenant_a:
+        keys_a = tenant_a.chunk_keys(tokens)
+        for key in keys_a:
+            assert await tenant_a.put(key, kv)
+        await tenant_a.flush()
+    async with KVStore(config, layout, "shared-model", salt=b"tenant-b") as tenant_b:
+        keys_b = tenant_b.chunk_keys(tokens)
+        assert not set(keys_a) & set(keys_b)
+        assert await tenant_b.lookup(keys_b) == 0
+    async with KVStore(config, layout, "shared-model", salt=b"tenant-a") as tenant_a_again:
+        assert await tenant_a_again.lookup(keys_a) == len(keys_a)
