@@ -54,8 +54,29 @@ def bench(
     fsync: Annotated[bool, typer.Option(help="fsync every file (tier and baseline alike)")] = False,
     codecs: Annotated[bool, typer.Option(help="also measure codecs on the real KV sample")] = True,
     sample: Annotated[Path | None, typer.Option(help="real KV sample (.npy, bf16 bits as uint16)")] = None,
+    remote: Annotated[
+        str, typer.Option(help="remote tiers to bench on dev servers started here: redis,moto,seaweedfs or all")
+    ] = "",
+    local: Annotated[bool, typer.Option(help="bench DRAM and disk (--no-local: only the remote tiers)")] = True,
+    remote_layout: Annotated[
+        list[str] | None, typer.Option(help="layouts for the remote bench (repeatable; default: all)")
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="remote requests in flight, kvstore and raw client alike")
+    ] = 4,
 ) -> None:
-    """Tier throughput against memcpy and raw file I/O, measured in the same run."""
+    """Tier throughput against memcpy, raw file I/O and raw S3/Redis clients, measured in the same run."""
+    names = _remote_names(remote, remote_layout)  # checked before the local bench spends minutes
+    if local:
+        _bench_local(mib, repeats, directory, fsync, codecs, sample)
+    if names:
+        _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
+
+
+def _bench_local(
+    mib: int, repeats: int, directory: Path | None, fsync: bool, codecs: bool, sample: Path | None
+) -> None:
+    """DRAM and disk against memcpy and raw file I/O, then codecs in one thread."""
     from kvstore import bench as b
 
     rows, _ = asyncio.run(b.run(mib, repeats, directory, fsync))
@@ -94,3 +115,48 @@ def bench(
                 str(result.get("error", "")),
             )
         console.print(codec_table)
+
+
+def _remote_names(remote: str, layouts: list[str] | None) -> list[str]:
+    if not remote:
+        return []
+    from kvstore import bench as b
+    from kvstore import bench_remote as r
+
+    try:
+        for layout in layouts or []:
+            if layout not in b.LAYOUTS:
+                raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(b.LAYOUTS)}")
+        return r.parse_remotes(remote)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _bench_remote(
+    names: list[str],
+    mib: int,
+    repeats: int,
+    layouts: list[str] | None,
+    concurrency: int,
+    sample: Path | None,
+    codecs: bool,
+) -> None:
+    """The remote tiers on dev servers started for the run; exits 1 when a server cannot start."""
+    from kvstore import bench as b
+    from kvstore import bench_remote as r
+    from kvstore.devservers import ServerError
+
+    path = (sample or b.default_sample_path()) if codecs else None
+    if codecs and path is None:
+        console.print("[yellow]remote codec rows skipped: no real KV sample found; pass --sample PATH[/]")
+    kv = None if path is None else b.load_kv_sample(path)
+    try:
+        with r.serve(names, concurrency) as remotes:
+            results = asyncio.run(
+                r.run_remote(remotes, mib, repeats, layouts or list(b.LAYOUTS), kv, concurrency=concurrency)
+            )
+    except ServerError as exc:
+        console.print(f"[red]could not start a dev server: {exc}[/]")
+        raise typer.Exit(1) from None
+    for table in r.tables(results, mib, repeats, concurrency):
+        console.print(table)

@@ -49,7 +49,7 @@ def parse_key(text: str) -> bytes:
     if key is None or len(key) not in (16, 24, 32):
         raise ValueError(
             "the encryption key must be 16, 24 or 32 bytes written as hex or base64 "
-            "(make one with: python -c \"import os; print(os.urandom(32).hex())\")"
+            '(make one with: python -c "import os; print(os.urandom(32).hex())")'
         )
     return key
 

@@ -21,6 +21,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
@@ -56,6 +58,21 @@ def _port_open(port: int) -> bool:
     with socket.socket() as probe:
         probe.settimeout(0.2)
         return probe.connect_ex((HOST, port)) == 0
+
+
+@contextmanager
+def environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for a block (e.g. an S3 server's ``credentials_env()``), then restore them."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def find_executable(name: str, install_hint: str) -> str:

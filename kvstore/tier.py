@@ -38,6 +38,7 @@ from kvstore.threads import in_thread
 log = logging.getLogger("kvstore.tier")
 T = TypeVar("T")
 BATCH_BYTES = 1 << 20  # read this much of a file, then checksum it while it is still in L2 cache
+INLINE_CHECK_BYTES = 8 << 20  # remote chunks up to this size are checksummed on the event loop
 
 
 class ChunkTier:
@@ -239,9 +240,15 @@ class ChunkTier:
         size = await self.backend.get_into(key, [head, out])
         if size is None:
             return None
-        expected = size == len(head) + len(out) and header_length(head) == len(head)
-        if expected and await in_thread(self._executor, self._check_plain, key, head, out):
-            return size
+        if size == len(head) + len(out) and header_length(head) == len(head):
+            # Checksums only (xxh3 at ~20 GB/s): up to a few MiB, that is cheaper than the thread
+            # hop when several reads are in flight (measured: 0.7-0.8x -> 0.9-1.0x of raw Redis GET).
+            if len(out) <= INLINE_CHECK_BYTES:
+                plain = self._check_plain(key, head, out)
+            else:
+                plain = await in_thread(self._executor, self._check_plain, key, head, out)
+            if plain:
+                return size
         data = await self.backend.get(key)  # another writer's codec, or a damaged object: the general path
         if data is None:
             return None

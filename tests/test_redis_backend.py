@@ -219,10 +219,33 @@ async def test_get_into_reads_pieces_into_caller_buffers(
     assert await backend.get_into(chunk_key(8), [memoryview(small)]) is None
 
 
-async def test_multi_part_set_gathers_into_reused_scratch(
+async def test_multi_part_set_is_sent_without_gathering(
     server: RedisServer, make_backend: Callable[..., RedisBackend]
 ) -> None:
-    backend = make_backend(server.url)
+    """On one server the parts go out in a hand-built request: exact bytes, no scratch buffer, TTL kept."""
+    backend = make_backend(server.url, ttl=60)
+    payload = np.arange(3_000_000, dtype=np.uint8)
+    parts: list[Buffer] = [b"header", payload[:1_000_000].data, payload[1_000_000:], bytearray(b"tail")]
+    expected = b"header" + payload.tobytes() + b"tail"
+    await backend.set(chunk_key(5), parts)
+    await backend.set(chunk_key(6), parts[1:3])
+    assert await backend.get(chunk_key(5)) == expected
+    assert await backend.get(chunk_key(6)) == expected[6:-4]
+    assert not backend._scratch
+    raw = redis.Redis.from_url(server.url)
+    assert 0 < raw.pttl(f"{backend.prefix}:{chunk_key(6)}") <= 60_000
+    raw.close()
+    server.stop()
+    server.start()  # the pooled connection is now dead: the next SET retries on a fresh one
+    await backend.set(chunk_key(7), parts)
+    assert await backend.get(chunk_key(7)) == expected
+    assert int(backend.stats()["bytes_out"]) == 2 * len(expected) + len(expected) - 10
+
+
+async def test_multi_part_set_on_a_cluster_gathers_into_reused_scratch(
+    cluster: RedisClusterServer, make_backend: Callable[..., RedisBackend]
+) -> None:
+    backend = make_backend(cluster.url, cluster=True)
     payload = np.arange(3_000_000, dtype=np.uint8)
     parts: list[Buffer] = [b"header", payload[:1_000_000].data, payload[1_000_000:], bytearray(b"tail")]
     expected = b"header" + payload.tobytes() + b"tail"
@@ -231,7 +254,6 @@ async def test_multi_part_set_gathers_into_reused_scratch(
     assert await backend.get(chunk_key(5)) == expected
     assert await backend.get(chunk_key(6)) == expected[6:-4]
     assert len(backend._scratch) == 1
-    assert int(backend.stats()["bytes_out"]) == len(expected) + len(expected) - 10
 
 
 # -- cluster: keys spread over all nodes ------------------------------------------------------------

@@ -278,7 +278,9 @@ class RedisBackend(Backend):
     async def set(self, key: str, parts: Sequence[Buffer]) -> None:
         """One SET (with PX when a TTL is set): atomic for readers.
 
-        One part is sent as it is. Several are gathered into a reused scratch buffer: with the
+        One part is sent as it is. On a single server, several parts go out as they are, in one
+        hand-built request (see :func:`_set_parts`). On a Cluster they are gathered into a reused
+        scratch buffer: with the
         tier's fresh header + 30 layer parts, ``b"".join`` ran 2-6 MiB SETs at 0.4-0.7 GB/s and
         the warm buffer at 1.1-2.4 GB/s here (equal from ~24 MiB). A buffer is reused only after
         a SET that succeeded: the reply means every byte was sent, so nothing refers to it.
@@ -287,6 +289,8 @@ class RedisBackend(Backend):
         name, size, ttl = self._name(key), sum(len(view) for view in views), self._ttl_ms
         if len(views) == 1:
             await self._call("SET", lambda c: c.set(name, views[0], px=ttl))
+        elif not self.cluster:
+            await self._call("SET", lambda c: _set_parts(c, name, views, size, ttl))
         else:
             scratch = self._take_scratch(size)
             position = 0
@@ -349,3 +353,33 @@ class RedisBackend(Backend):
     def stats(self) -> dict[str, int | float | str]:
         names = ("requests", "errors", "timeouts", "connection_errors", "bytes_in", "bytes_out")
         return {name: getattr(self, name) for name in names}
+
+
+async def _set_parts(client: Redis, name: str, views: list[memoryview], size: int, ttl_ms: int | None) -> None:
+    """SET of the concatenation of ``views``, sent without gathering them first.
+
+    redis-py packs a command's arguments into one more copy of the value; writing the RESP
+    request by hand lets the socket take the parts as they are (measured: SmolLM2-sized SETs
+    went from 0.5-0.65x to 0.9-1.1x of a raw redis-py SET of a ready-made value). A stale pooled
+    connection (the server restarted) is retried once on a fresh one.
+    """
+    key = name.encode()
+    expiry = [b"PX", str(ttl_ms).encode()] if ttl_ms else []
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(expiry), len(key), key, size)
+    tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in expiry)
+    pool = client.connection_pool
+    for attempt in range(2):
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command([head, *views, tail], check_health=False)
+            await connection.read_response()  # raises the server's error, if any
+            return
+        except RedisConnectionError:
+            await connection.disconnect()
+            if attempt:
+                raise
+        except BaseException:
+            await connection.disconnect()  # a half-sent request must not stay on the socket
+            raise
+        finally:
+            await pool.release(connection)

@@ -1,0 +1,427 @@
+"""``kvstore bench --remote``: the S3 and Redis tiers against their raw clients, measured in the same run.
+
+Each kvstore figure sits beside the raw client moving the very same container bytes (encoded
+once up front) with the same number of requests in flight, run alternately, best of N:
+
+- put  ``ChunkTier.write_many`` (identity codec)  vs  aiobotocore ``put_object`` (multipart above
+  the S3 tier's threshold, same part size) / redis-py ``SET`` (hiredis parser)
+- get  ``ChunkTier.read_many_into`` into pre-allocated slots, checksums verified  vs  ``get_object``
+  + ``body.read()`` / redis-py ``GET`` (bytes left where the client put them)
+
+Then every codec through the tier on real KV (the SmolLM2 sample): compression ratio and
+logical (uncompressed) MB/s for put and get. The servers are real processes on this machine
+(:mod:`kvstore.devservers`), started here and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from kvstore.backends.base import Backend
+from kvstore.bench import LAYOUTS, Row, _best_pair, _sample_chunks
+from kvstore.buffers import tensor_bytes
+from kvstore.codecs import make_codec
+from kvstore.devservers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
+from kvstore.format import encode_chunk
+from kvstore.keys import chunk_keys
+from kvstore.layout import KVLayout
+from kvstore.tier import ChunkTier
+
+REMOTES = ("redis", "moto", "seaweedfs")
+CONCURRENCY = 4  # requests in flight, kvstore and raw client alike (the store's io_threads default)
+TARGET = 0.9
+REMOTE_CODECS = ["identity", "bytesplit", "zstd", "fp8", "fp8+zstd"]
+CODEC_MIB = 64  # logical MiB per codec measurement (at most --mib): 5 codecs x 3 servers must stay quick
+BUCKET = "kvstore-bench"
+MULTIPART_THRESHOLD, PART_SIZE = 16 << 20, 8 << 20  # the S3 tier's defaults, given to both sides
+
+
+class RemoteRow(Row):
+    """A bench row whose target is the remote one (bench.TARGETS is keyed by local operation names)."""
+
+    @property
+    def target(self) -> float | None:
+        return TARGET
+
+
+@dataclass
+class CodecRow:
+    server: str
+    codec: str
+    nbytes: int  # logical: uncompressed chunk bytes
+    stored: int
+    put_seconds: float
+    get_seconds: float
+    lossless: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.stored
+
+    @property
+    def put_mbps(self) -> float:
+        return self.nbytes / self.put_seconds / 1e6
+
+    @property
+    def get_mbps(self) -> float:
+        return self.nbytes / self.get_seconds / 1e6
+
+
+@dataclass
+class RemoteResults:
+    rows: list[RemoteRow] = field(default_factory=list)
+    codec_rows: list[CodecRow] = field(default_factory=list)
+
+
+class RawRedis:
+    """redis-py asyncio as a user would call it: SET / GET of whole values (hiredis parses replies)."""
+
+    label = ("redis-py SET", "redis-py GET")
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    async def put(self, name: str, data: bytes) -> None:
+        await self.client.set(name, data)
+
+    async def get(self, name: str) -> bytes:
+        data: bytes | None = await self.client.get(name)
+        if data is None:
+            raise RuntimeError(f"raw redis GET lost {name}")
+        return data
+
+    async def delete(self, name: str) -> None:
+        await self.client.delete(name)
+
+
+class RawS3:
+    """aiobotocore with the S3 tier's client settings and multipart policy, every request under one limit."""
+
+    label = ("aiobotocore put_object", "aiobotocore get_object")
+
+    def __init__(self, client: Any, concurrency: int):
+        self.client = client
+        self.limit = asyncio.Semaphore(concurrency)
+
+    async def put(self, name: str, data: bytes) -> None:
+        if len(data) < MULTIPART_THRESHOLD:
+            async with self.limit:
+                await self.client.put_object(Bucket=BUCKET, Key=name, Body=data)
+            return
+        async with self.limit:
+            upload_id = (await self.client.create_multipart_upload(Bucket=BUCKET, Key=name))["UploadId"]
+
+        async def part(number: int, start: int) -> dict[str, Any]:
+            async with self.limit:
+                body = data[start : start + PART_SIZE]  # bytes: botocore wants bytes, slicing copies
+                answer = await self.client.upload_part(
+                    Bucket=BUCKET, Key=name, UploadId=upload_id, PartNumber=number, Body=body
+                )
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+
+        parts = await asyncio.gather(*(part(i + 1, s) for i, s in enumerate(range(0, len(data), PART_SIZE))))
+        async with self.limit:
+            await self.client.complete_multipart_upload(
+                Bucket=BUCKET, Key=name, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
+            )
+
+    async def get(self, name: str) -> bytes:
+        async with self.limit:
+            answer = await self.client.get_object(Bucket=BUCKET, Key=name)
+            async with answer["Body"] as body:
+                return await body.read()  # type: ignore[no-any-return]
+
+    async def delete(self, name: str) -> None:
+        async with self.limit:
+            await self.client.delete_object(Bucket=BUCKET, Key=name)
+
+
+RawClient = RawRedis | RawS3
+
+
+@dataclass
+class Remote:
+    """One running server: how to make the tier's backend and the raw client for it."""
+
+    name: str
+    make_backend: Callable[[], Backend]
+    open_raw: Callable[[AsyncExitStack], Awaitable[RawClient]]
+
+
+def _redis_remote(server: RedisServer, concurrency: int) -> Remote:
+    from redis.asyncio import Redis
+
+    from kvstore.backends.redis import RedisBackend
+
+    async def open_raw(stack: AsyncExitStack) -> RawClient:
+        client = Redis.from_url(server.url, max_connections=concurrency)
+        stack.push_async_callback(client.aclose)
+        return RawRedis(client)
+
+    return Remote("redis", lambda: RedisBackend(server.url, prefix="bench", max_connections=concurrency), open_raw)
+
+
+def _s3_remote(server: S3Server, concurrency: int) -> Remote:
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import AioSession
+
+    from kvstore.backends.s3 import S3Backend
+
+    def make_backend() -> Backend:
+        return S3Backend(
+            BUCKET,
+            prefix="bench",
+            endpoint_url=server.endpoint_url,
+            region=server.region,
+            addressing_style="path",
+            max_concurrency=concurrency,
+            multipart_threshold=MULTIPART_THRESHOLD,
+            part_size=PART_SIZE,
+            create_bucket=True,
+        )
+
+    async def open_raw(stack: AsyncExitStack) -> RawClient:
+        config = AioConfig(  # what S3Backend configures: the comparison is of the code paths, not settings
+            max_pool_connections=concurrency,
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        client = await stack.enter_async_context(
+            AioSession().create_client(
+                "s3",
+                endpoint_url=server.endpoint_url,
+                region_name=server.region,
+                aws_access_key_id=server.access_key,
+                aws_secret_access_key=server.secret_key,
+                config=config,
+            )
+        )
+        return RawS3(client, concurrency)
+
+    return Remote(server.name, make_backend, open_raw)
+
+
+@contextmanager
+def serve(names: Sequence[str], concurrency: int) -> Iterator[list[Remote]]:
+    """Start the named dev servers (a ServerError if one cannot start) and describe each as a Remote."""
+    with ExitStack() as stack:
+        remotes = []
+        for name in names:
+            if name == "redis":
+                remotes.append(_redis_remote(stack.enter_context(RedisServer()), concurrency))
+            elif name in ("moto", "seaweedfs"):
+                server: S3Server = stack.enter_context(MotoServer() if name == "moto" else SeaweedFSServer())
+                remotes.append(_s3_remote(server, concurrency))
+            else:
+                raise ValueError(f"unknown remote {name!r}; choose from {', '.join(REMOTES)} or all")
+        # S3Backend takes credentials only from the AWS chain: point it at the dev servers' (restored after)
+        env = {"AWS_ACCESS_KEY_ID": S3Server.access_key, "AWS_SECRET_ACCESS_KEY": S3Server.secret_key}
+        stack.enter_context(environment(env))
+        yield remotes
+
+
+def parse_remotes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = list(REMOTES) if names == ["all"] else names
+    unknown = [n for n in names if n not in REMOTES]
+    if unknown:
+        raise ValueError(f"unknown remote(s) {', '.join(unknown)}; choose from {', '.join(REMOTES)} or all")
+    return names
+
+
+async def _bounded(concurrency: int, count: int, job: Callable[[int], Awaitable[None]]) -> float:
+    """Seconds to run ``job(0..count-1)`` with ``concurrency`` of them in flight (workers pull the next index)."""
+    indices = iter(range(count))
+
+    async def worker() -> None:
+        for index in indices:
+            await job(index)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+    return time.perf_counter() - start
+
+
+@asynccontextmanager
+async def _tier(remote: Remote, codec: str, layout: KVLayout, executor: ThreadPoolExecutor) -> AsyncIterator[ChunkTier]:
+    tier = ChunkTier(remote.make_backend(), make_codec(codec), layout, executor)
+    await tier.open()
+    try:
+        yield tier
+    finally:
+        await tier.close()
+
+
+async def _tier_put(tier: ChunkTier, items: list[tuple[str, memoryview]], concurrency: int) -> float:
+    async def one(i: int) -> None:
+        (outcome,) = await tier.write_many([items[i]])
+        if outcome is not None:
+            raise RuntimeError(f"the {tier.name} tier failed a write during the benchmark") from outcome
+
+    return await _bounded(concurrency, len(items), one)
+
+
+async def _tier_get(tier: ChunkTier, keys: list[str], slots: list[memoryview], concurrency: int) -> float:
+    async def one(i: int) -> None:
+        if not (await tier.read_many_into([keys[i]], [slots[i]]))[0]:
+            raise RuntimeError(f"the {tier.name} tier lost a chunk during the benchmark ({tier.stats.as_dict()})")
+
+    return await _bounded(concurrency, len(keys), one)
+
+
+async def bench_identity(
+    remote: Remote,
+    name: str,
+    layout: KVLayout,
+    chunks: int,
+    repeats: int,
+    concurrency: int,
+    executor: ThreadPoolExecutor,
+) -> list[RemoteRow]:
+    sources = _sample_chunks(layout, min(chunks, 4), seed=2)
+    views = [tensor_bytes(sources[i % len(sources)]) for i in range(chunks)]
+    keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
+    identity = make_codec("identity")
+    containers = [b"".join(encode_chunk(layout, key, view, identity)) for key, view in zip(keys, views, strict=True)]
+    names = [f"raw-{key}" for key in keys]
+    destination = torch.zeros(chunks, layout.chunk_nbytes, dtype=torch.uint8)  # pre-touched, like DRAM slots
+    slots = [memoryview(destination[i].numpy()) for i in range(chunks)]
+    items = list(zip(keys, views, strict=True))
+    async with AsyncExitStack() as stack:
+        raw = await remote.open_raw(stack)
+        tier = await stack.enter_async_context(_tier(remote, "identity", layout, executor))
+
+        async def raw_put() -> float:
+            return await _bounded(concurrency, chunks, lambda i: raw.put(names[i], containers[i]))
+
+        async def raw_get() -> float:
+            async def one(i: int) -> None:
+                if len(await raw.get(names[i])) != len(containers[i]):
+                    raise RuntimeError(f"raw {remote.name} get returned a short object")
+
+            return await _bounded(concurrency, chunks, one)
+
+        put_base, put_time = await _best_pair(raw_put, lambda: _tier_put(tier, items, concurrency), repeats)
+        get_base, get_time = await _best_pair(raw_get, lambda: _tier_get(tier, keys, slots, concurrency), repeats)
+        if await raw.get(names[-1]) != containers[-1]:
+            raise RuntimeError(f"raw {remote.name} round trip changed the data")
+        for i in range(chunks):
+            if not torch.equal(destination[i], sources[i % len(sources)].view(torch.uint8).reshape(-1)):
+                raise RuntimeError(f"{remote.name} tier round trip changed the data")
+        for i in range(chunks):
+            await raw.delete(names[i])
+            await tier.backend.delete(keys[i])
+    total = sum(len(c) for c in containers)  # the bytes on the wire, on both sides
+    return [
+        RemoteRow(name, f"{remote.name} put", total, put_time, put_base, raw.label[0]),
+        RemoteRow(name, f"{remote.name} get", total, get_time, get_base, raw.label[1]),
+    ]
+
+
+def real_chunks(sample: torch.Tensor, layout: KVLayout) -> list[torch.Tensor]:
+    """The sample cut into whole chunks of ``layout.chunk_tokens`` tokens (dimension 2 is tokens)."""
+    step = layout.chunk_tokens
+    return [sample[:, :, s : s + step].contiguous() for s in range(0, sample.shape[2] - step + 1, step)]
+
+
+async def bench_codecs_remote(
+    remote: Remote,
+    sample: torch.Tensor,
+    mib: int,
+    repeats: int,
+    concurrency: int,
+    executor: ThreadPoolExecutor,
+    codecs: Sequence[str] = REMOTE_CODECS,
+) -> list[CodecRow]:
+    layout = LAYOUTS["SmolLM2-135M"]  # the sample's model
+    pieces = real_chunks(sample, layout)
+    chunks = max(concurrency, -(-(mib << 20) // layout.chunk_nbytes))
+    views = [tensor_bytes(pieces[i % len(pieces)]) for i in range(chunks)]
+    destination = torch.zeros(chunks, layout.chunk_nbytes, dtype=torch.uint8)
+    slots = [memoryview(destination[i].numpy()) for i in range(chunks)]
+    rows = []
+    for codec in codecs:
+        namespace = f"bench-real-{codec}"
+        keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, namespace)]
+        items = list(zip(keys, views, strict=True))
+        async with _tier(remote, codec, layout, executor) as tier:
+            put_time = get_time = math.inf
+            for _ in range(max(1, repeats)):
+                before = tier.stats.bytes_written
+                put_time = min(put_time, await _tier_put(tier, items, concurrency))
+                stored = tier.stats.bytes_written - before
+                get_time = min(get_time, await _tier_get(tier, keys, slots, concurrency))
+            if tier.codec.lossless:
+                for i in range(chunks):
+                    if not torch.equal(destination[i], pieces[i % len(pieces)].view(torch.uint8).reshape(-1)):
+                        raise RuntimeError(f"{codec} on {remote.name} is not bit-exact")
+            for key in keys:
+                await tier.backend.delete(key)
+        rows.append(
+            CodecRow(remote.name, codec, chunks * layout.chunk_nbytes, stored, put_time, get_time, tier.codec.lossless)
+        )
+    return rows
+
+
+async def run_remote(
+    remotes: Sequence[Remote],
+    mib: int,
+    repeats: int,
+    layouts: Sequence[str] = tuple(LAYOUTS),
+    sample: torch.Tensor | None = None,
+    concurrency: int = CONCURRENCY,
+    codec_mib: int = CODEC_MIB,
+) -> RemoteResults:
+    """Identity rows for every remote and layout, then codec rows on real KV when a sample is given."""
+    results = RemoteResults()
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="kvstore-bench") as executor:
+        for remote in remotes:
+            for name in layouts:
+                layout = LAYOUTS[name]
+                chunks = max(concurrency, -(-(mib << 20) // layout.chunk_nbytes))
+                results.rows += await bench_identity(remote, name, layout, chunks, repeats, concurrency, executor)
+            if sample is not None:
+                results.codec_rows += await bench_codecs_remote(
+                    remote, sample, min(mib, codec_mib), repeats, concurrency, executor
+                )
+    return results
+
+
+def tables(results: RemoteResults, mib: int, repeats: int, concurrency: int) -> list[Table]:
+    """The ratio table (columns as in the local bench) and the per-codec table."""
+    title = f"kvstore bench, remote tiers: {mib} MiB per row, {concurrency} in flight, best of {repeats}"
+    ratios = Table(title=title)
+    for column in ("layout", "operation", "kvstore MB/s", "baseline", "baseline MB/s", "ratio", "target"):
+        ratios.add_column(column, justify="right" if "MB/s" in column or column in ("ratio", "target") else "left")
+    for row in results.rows:
+        ok = row.ratio >= TARGET
+        ratios.add_row(
+            row.layout,
+            row.operation,
+            f"{row.gbps * 1000:.0f}",
+            row.baseline,
+            f"{row.baseline_gbps * 1000:.0f}",
+            f"{row.ratio:.2f}x",
+            f">= {TARGET}x" + (" [green]ok[/]" if ok else " [red]below[/]"),
+        )
+    size = results.codec_rows[0].nbytes / 2**20 if results.codec_rows else 0
+    codecs = Table(
+        title=f"codecs through the remote tiers on real KV: SmolLM2 sample, {size:.0f} MiB per row (uncompressed)"
+    )
+    for column in ("server", "codec", "lossless", "ratio", "put MB/s of KV", "get MB/s of KV"):
+        codecs.add_column(column, justify="left" if column in ("server", "codec", "lossless") else "right")
+    for c in results.codec_rows:
+        lossless = "yes" if c.lossless else "no"
+        codecs.add_row(c.server, c.codec, lossless, f"{c.ratio:.3f}", f"{c.put_mbps:.0f}", f"{c.get_mbps:.0f}")
+    return [ratios, codecs] if results.codec_rows else [ratios]
