@@ -64,6 +64,7 @@ def bench(
     concurrency: Annotated[
         int, typer.Option(min=1, help="remote requests in flight, kvstore and raw client alike")
     ] = 4,
+    prefetch: Annotated[str, typer.Option(help="layer-stream overlap on these tiers: dram,disk,redis,s3 or all")] = "",
 ) -> None:
     """Tier throughput against memcpy, raw file I/O and raw S3/Redis clients, measured in the same run."""
     names = _remote_names(remote, remote_layout)  # checked before the local bench spends minutes
@@ -71,6 +72,33 @@ def bench(
         _bench_local(mib, repeats, directory, fsync, codecs, sample)
     if names:
         _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
+    if prefetch:
+        _bench_prefetch(prefetch, repeats)
+
+
+def _bench_prefetch(tiers: str, repeats: int) -> None:
+    """Time to first layer and overlap efficiency of layer streams against simulated compute."""
+    from kvstore import bench_prefetch as p
+
+    try:
+        names = p.parse_tiers(tiers)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    rows = p.run_overlap(names, repeats=repeats)
+    table = Table(title="layer streams: 8 SmolLM2 chunks (2K tokens), simulated compute c per layer, depth 4")
+    for column in ("tier", "fetch f / layer", "compute c / layer", "time to layer 0", "total", "fetch hidden"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        verdict = "met" if row.compute_per_layer < row.fetch_per_layer or row.efficiency >= p.TARGET else "missed"
+        table.add_row(
+            row.tier,
+            f"{row.fetch_per_layer * 1e3:.2f} ms",
+            f"{row.compute_per_layer * 1e3:.2f} ms",
+            f"{row.ttfl * 1e3:.2f} ms",
+            f"{row.total * 1e3:.1f} ms",
+            f"{row.efficiency:.0%} ({verdict})",
+        )
+    console.print(table)
 
 
 def _bench_local(

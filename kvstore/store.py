@@ -28,6 +28,7 @@ from kvstore.crypto import ChunkCipher
 from kvstore.dram import SlabPool
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes
 from kvstore.layout import KVLayout
+from kvstore.prefetch import LayerStream
 from kvstore.tier import ChunkTier
 
 log = logging.getLogger("kvstore")
@@ -385,6 +386,20 @@ class KVStore:
                 self.pool.release(slot)
 
         return release
+
+    def prefetch(
+        self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
+    ) -> LayerStream:
+        """Stream ``keys``' chunks layer by layer, ``depth`` layers ahead of the consumer.
+
+        ``async for layer, kv in store.prefetch(keys[:n])``: ``kv`` is layer ``layer`` of all
+        chunks, ``[planes, n * chunk_tokens, heads, head_dim]`` (into ``outs[layer]`` if given).
+        A layer that cannot be loaded raises :class:`kvstore.prefetch.PrefetchError`.
+        """
+        self._check_open()
+        for key in keys:
+            key_to_bytes(key)
+        return LayerStream(self, keys, depth, outs)
 
     async def flush(self) -> None:
         """Wait until every queued write has reached its tier (or failed, or timed out)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
+from kvstore.prefetch import LayerStream
 from kvstore.store import KVStore, StoreClosedError
 
 T = TypeVar("T")
@@ -58,11 +59,18 @@ class SyncKVStore:
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._call(self.store.get(key, out))
 
+    def prefetch(
+        self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
+    ) -> SyncLayerStream:
+        """The layer stream for engine threads: ``stream.wait_layer(i)`` blocks until layer i is in."""
+        stream = self._call(_on_loop(lambda: self.store.prefetch(keys, depth=depth, outs=outs)))
+        return SyncLayerStream(self, stream)
+
     def flush(self, timeout: float | None = None) -> None:
         self._call(self.store.flush(), timeout)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return self._call(_as_coroutine(self.store.stats))
+        return self._call(_on_loop(self.store.stats))
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -86,6 +94,44 @@ class SyncKVStore:
         self.close()
 
 
-async def _as_coroutine(fn: Any) -> Any:
-    """Run a plain method on the loop thread, where the store's state lives."""
+class SyncLayerStream:
+    """A :class:`~kvstore.prefetch.LayerStream` driven from an engine thread; close it when done."""
+
+    def __init__(self, owner: SyncKVStore, stream: LayerStream) -> None:
+        self._owner, self._stream = owner, stream
+
+    def wait_layer(self, index: int, timeout: float | None = None) -> torch.Tensor:
+        """Layer ``index`` (blocking until it has arrived); raises PrefetchError if it cannot.
+
+        No round trip through the loop: the request is posted, the arrival is a threading.Event
+        (a layer that is already in costs microseconds, not a thread hop).
+        """
+        stream = self._stream
+        if not 0 <= index < stream.num_layers:
+            raise IndexError(f"layer {index} out of range for {stream.num_layers} layers")
+        self._owner._loop.call_soon_threadsafe(stream.request, index)
+        if not stream.arrived[index].wait(timeout):
+            raise TimeoutError(f"layer {index} did not arrive within {timeout}s")
+        outcome = stream.outcomes[index]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for index in range(self._stream.num_layers):
+            yield index, self.wait_layer(index)
+
+    def close(self) -> None:
+        self._owner._call(self._stream.close())
+
+    def __enter__(self) -> SyncLayerStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _on_loop(fn: Callable[[], T]) -> T:
+    """Run a plain callable on the loop thread (where the store's state and running loop live)."""
     return fn()

@@ -29,6 +29,7 @@ from kvstore.format import (
     header_length,
     header_size,
     parse_header,
+    verify_segment,
 )
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -121,6 +122,11 @@ class ChunkTier:
         parts = encode_chunk(self.layout, key, chunk, self.codec, self.cipher)
         self.backend.write(key, parts)
         return _total_len(parts)
+
+    @property
+    def is_local(self) -> bool:
+        """Blocking file I/O on this machine (batched into thread calls), rather than network requests."""
+        return isinstance(self.backend, LocalBackend)
 
     def holds(self, key: ChunkKey) -> bool:
         """True only when the tier knows, without I/O, that it has the chunk."""
@@ -267,19 +273,64 @@ class ChunkTier:
         return True
 
     async def read_layer(self, key: ChunkKey, layer: int, out: memoryview) -> bool:
-        """Fill ``out`` with one layer of the chunk using two range reads (header, then segment).
+        """Fill ``out`` with one layer of the chunk (a header read, then one segment read).
 
-        The building block of layer-streamed loads from remote tiers; False on a miss of any kind.
+        False on a miss of any kind. Streams that read many layers use :meth:`open_layers`.
         """
+        reader = await self.open_layers(key)
+        if reader is None:
+            return False
         try:
-            outcome = await self._read_layer(key, layer, out)
-        except Exception as exc:
-            return await self._account(key, exc)
-        return await self._account(key, outcome)
+            return await reader.read_counted(layer, out)
+        finally:
+            reader.close()
 
-    async def _read_layer(self, key: ChunkKey, layer: int, out: memoryview) -> int | None:
-        if not 0 <= layer < self.layout.num_layers:
-            raise IndexError(f"layer {layer} out of range for {self.layout.num_layers} layers")
+    async def open_layers(self, key: ChunkKey) -> LayerReader | None:
+        """The chunk opened for reads layer by layer (its header read and checked once), or None.
+
+        None on a miss of any kind (absent, corrupt, foreign, an I/O error), counted as usual.
+        """
+        return (await self.open_layers_many([key]))[0]
+
+    async def open_layers_many(self, keys: Sequence[ChunkKey]) -> list[LayerReader | None]:
+        """:meth:`open_layers` for several chunks: files in one thread call, remote headers concurrently."""
+        outcomes: Sequence[tuple[ChunkHeader, ChunkReader | None] | None | BaseException]
+        if isinstance(self.backend, LocalBackend):
+            outcomes = await in_thread(self._executor, _each, self._open_local, [(key, None) for key in keys])
+        else:
+            outcomes = await asyncio.gather(*(self._open_remote(key) for key in keys), return_exceptions=True)
+        readers: list[LayerReader | None] = []
+        for key, outcome in zip(keys, outcomes, strict=True):
+            if isinstance(outcome, BaseException) or outcome is None:
+                await self._account(key, outcome)
+                readers.append(None)
+                continue
+            header, file = outcome
+            self.stats.hits += 1  # one per chunk opened; its layers add to bytes_read
+            readers.append(LayerReader(self, key, header, file))
+        return readers
+
+    def _open_local(self, key: ChunkKey, _: object = None) -> tuple[ChunkHeader, ChunkReader] | None:
+        assert isinstance(self.backend, LocalBackend)
+        file = self.backend.open_reader(key)
+        if file is None:
+            return None
+        try:
+            head = memoryview(bytearray(self._header_guess))
+            got = file.readinto([head], 0)
+            needed = header_length(head[:got])
+            if needed > len(head):
+                head = memoryview(bytearray(needed))
+                file.readinto([head], 0)
+            header = parse_header(head[:needed], self.layout, key, self.cipher)
+            if file.size != header.total_len:
+                raise ChunkFormatError(f"file is {file.size} bytes, header says {header.total_len}")
+        except BaseException:
+            file.__exit__(None, None, None)
+            raise
+        return header, file
+
+    async def _open_remote(self, key: ChunkKey) -> tuple[ChunkHeader, None] | None:
         head = await self.backend.get(key, (0, self._header_guess))
         if head is None:
             return None
@@ -288,14 +339,7 @@ class ChunkTier:
             head = await self.backend.get(key, (0, needed))
             if head is None:
                 return None
-        header = parse_header(head, self.layout, key, self.cipher)
-        segment = header.segments[layer]
-        start = header.header_len + segment.offset
-        stored = await self.backend.get(key, (start, start + segment.stored_len))
-        if stored is None:
-            return None
-        await in_thread(self._executor, decode_layer, header, self.layout, layer, stored, out)
-        return len(stored)
+        return parse_header(head, self.layout, key, self.cipher), None
 
     async def _discard_corrupt(self, key: ChunkKey, exc: ChunkFormatError) -> None:
         self.stats.corrupt += 1
@@ -342,3 +386,64 @@ def _each(
         except Exception as exc:  # accounted for on the event loop, per chunk
             outcomes.append(exc)
     return outcomes
+
+
+class LayerReader:
+    """One chunk of a tier opened for layer-by-layer reads; ``close()`` it when done.
+
+    Disk keeps the file open and reads each segment with one positioned read; remote tiers
+    issue one byte-range request per segment. Every segment is verified before use.
+    """
+
+    def __init__(self, tier: ChunkTier, key: ChunkKey, header: ChunkHeader, file: ChunkReader | None) -> None:
+        self.tier, self.key, self.header, self._file = tier, key, header, file
+
+    @property
+    def is_local(self) -> bool:
+        """Reads are blocking file reads (batch them into one thread call with :meth:`read_local`)."""
+        return self._file is not None
+
+    async def read(self, layer: int, out: memoryview) -> None:
+        """Verify and decode layer ``layer`` into ``out``; raises on any problem (not counted)."""
+        segment = self.header.segments[layer]
+        start = self.header.header_len + segment.offset
+        tier = self.tier
+        if self._file is not None:
+            await in_thread(tier._executor, self.read_local, layer, out)
+            return
+        stored = await tier.backend.get(self.key, (start, start + segment.stored_len))
+        if stored is None:
+            raise ChunkFormatError(f"layer {layer} vanished while the chunk was being read")
+        await in_thread(tier._executor, decode_layer, self.header, tier.layout, layer, stored, out)
+
+    async def read_counted(self, layer: int, out: memoryview) -> bool:
+        """``read``, with a failure counted in the tier's stats (a corrupt chunk is removed)."""
+        try:
+            await self.read(layer, out)
+        except Exception as exc:
+            return await self.tier._account(self.key, exc)
+        self.count(layer)
+        return True
+
+    def count(self, layer: int) -> None:
+        """Add a layer read that succeeded to the tier's stats."""
+        self.tier.stats.bytes_read += self.header.segments[layer].stored_len
+
+    def read_local(self, layer: int, out: memoryview) -> None:
+        """The blocking file read of :meth:`read` (call it from a worker thread)."""
+        assert self._file is not None
+        segment = self.header.segments[layer]
+        start, stored_len = self.header.header_len + segment.offset, segment.stored_len
+        plain = self.header.plain and stored_len == len(out)
+        target = out if plain else memoryview(bytearray(stored_len))
+        if self._file.readinto([target], start) != stored_len:
+            raise ChunkFormatError(f"layer {layer} is truncated")
+        if plain:
+            verify_segment(self.header, layer, out)  # read in place: only the checksum is left
+        else:
+            decode_layer(self.header, self.tier.layout, layer, target, out)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.__exit__(None, None, None)
+            self._file = None

@@ -1,0 +1,237 @@
+"""Layerwise prefetch: a prefix's KV arrives layer by layer, in the order the engine consumes it.
+
+A cache hit should shorten time-to-first-token, so the engine must not wait for the whole prefix:
+``store.prefetch(keys)`` starts fetching layer 0 of every chunk, then layer 1, ..., running at
+most ``depth`` layers ahead of the consumer. Each chunk comes from the fastest place that has
+it: a DRAM slot (a copy), or a secondary tier opened once and read one segment per layer (a
+positioned file read, or one byte-range request). Every segment is verified before it is used.
+
+If a layer cannot be loaded (a chunk vanished, a segment is corrupt, a tier timed out) the
+stream raises :class:`PrefetchError` for that layer and every later one: the engine keeps the
+layers it already has or, simpler, recomputes the prefix. Nothing unverified reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.buffers import tensor_bytes
+from kvstore.keys import ChunkKey
+from kvstore.layout import KVLayout
+from kvstore.threads import in_thread
+from kvstore.tier import LayerReader
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
+
+log = logging.getLogger("kvstore.prefetch")
+
+
+class PrefetchError(RuntimeError):
+    """A layer of the prefix could not be loaded; the engine should recompute instead."""
+
+
+class LayerStream:
+    """The layers of ``keys``' chunks, each as one tensor ``[planes, len(keys) * chunk_tokens, heads, head_dim]``.
+
+    Iterate it (``async for layer, kv in stream``) or ask for a layer (``await stream.layer(i)``);
+    close it (``async with`` does) to release the DRAM slots and files it holds.
+    """
+
+    def __init__(
+        self, store: KVStore, keys: Sequence[ChunkKey], depth: int, outs: Sequence[torch.Tensor] | None
+    ) -> None:
+        layout = store.layout
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be at least 1, got {depth}")
+        self.shape = (layout.kv_planes, len(keys) * layout.chunk_tokens, layout.num_kv_heads, layout.head_dim)
+        if outs is not None:
+            if len(outs) != layout.num_layers:
+                raise ValueError(f"prefetch: {layout.num_layers} layers but {len(outs)} output tensors")
+            for out in outs:
+                if tuple(out.shape) != self.shape or out.dtype != layout.dtype:
+                    raise ValueError(f"prefetch outputs must be {layout.dtype} tensors of shape {self.shape}")
+        self._store, self._keys, self._depth, self._outs = store, list(keys), depth, outs
+        loop = asyncio.get_running_loop()
+        self._ready: list[asyncio.Future[torch.Tensor]] = [loop.create_future() for _ in range(layout.num_layers)]
+        # The same outcomes for engine threads, readable without a hop to the loop (see SyncLayerStream).
+        self.arrived = [threading.Event() for _ in range(layout.num_layers)]
+        self.outcomes: list[torch.Tensor | BaseException | None] = [None] * layout.num_layers
+        self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
+        self._wanted = asyncio.Event()
+        self._slots: list[int | None] = []
+        self._readers: list[LayerReader | None] = []
+        self._task = asyncio.create_task(self._produce(), name="kvstore-prefetch")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._ready)
+
+    async def layer(self, index: int) -> torch.Tensor:
+        """Layer ``index`` once it has arrived (raises PrefetchError if it cannot)."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} out of range for {self.num_layers} layers")
+        self.request(index)
+        return await asyncio.shield(self._ready[index])
+
+    def request(self, index: int) -> None:
+        """Let the producer run up to ``index + depth`` (on the loop thread)."""
+        if index + 1 > self._requested:
+            self._requested = index + 1
+            self._wanted.set()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor]]:
+        """Every layer in order; leaving the loop early closes the stream."""
+        try:
+            for index in range(self.num_layers):
+                yield index, await self.layer(index)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop fetching and release what the stream holds (idempotent)."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        closed = PrefetchError("the layer stream was closed")
+        for index, future in enumerate(self._ready):
+            self._arrive(index, closed)  # wakes any engine thread still waiting on this layer
+            if not future.cancelled():
+                future.exception()  # retrieved: an unconsumed failure is not an "unhandled" error
+
+    async def __aenter__(self) -> LayerStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- the producer ---------------------------------------------------------------------------
+
+    async def _produce(self) -> None:
+        layer = 0
+        try:
+            await self._open_sources()
+            for layer in range(self.num_layers):
+                while layer >= self._requested + self._depth:
+                    self._wanted.clear()
+                    await self._wanted.wait()
+                self._arrive(layer, await self._fetch(layer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, PrefetchError) else PrefetchError(f"layer {layer}: {exc!r}")
+            log.warning("prefetch of %d chunks stopped at layer %d: %s", len(self._keys), layer, error)
+            for index in range(layer, self.num_layers):
+                self._arrive(index, error)
+        finally:
+            self._release()
+
+    def _arrive(self, layer: int, outcome: torch.Tensor | BaseException) -> None:
+        future = self._ready[layer]
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        self.outcomes[layer] = outcome
+        self.arrived[layer].set()
+
+    async def _open_sources(self) -> None:
+        """Per chunk: a DRAM slot (referenced), else the fastest tier's reader (each tier opens its batch at once)."""
+        store = self._store
+        self._slots = [store.pool.acquire(key) for key in self._keys]
+        self._readers = [None] * len(self._keys)
+        missing = [index for index, slot in enumerate(self._slots) if slot is None]
+        for tier in store.tiers:
+            if not missing:
+                return
+            # Files are opened in one thread call that is not cancelled midway (that would leak their
+            # descriptors); a remote tier's header reads are bounded by its timeout.
+            timeout = None if tier.is_local else store.config.timeouts.get
+            try:
+                opened = await asyncio.wait_for(tier.open_layers_many([self._keys[i] for i in missing]), timeout)
+            except TimeoutError:
+                tier.stats.timeouts += 1
+                continue
+            for index, reader in zip(missing, opened, strict=True):
+                self._readers[index] = reader
+            missing = [index for index in missing if self._readers[index] is None]
+        if missing:
+            raise PrefetchError(f"chunk {missing[0]} ({self._keys[missing[0]][:16]}...) is in no tier")
+
+    async def _fetch(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of every chunk, concatenated along the token axis."""
+        layout, store = self._store.layout, self._store
+        out = self._outs[layer] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
+        tokens = layout.chunk_tokens
+        reads, local = [], []
+        for index, (slot, reader) in enumerate(zip(self._slots, self._readers, strict=True)):
+            target = out[:, index * tokens : (index + 1) * tokens]
+            if slot is not None:
+                target.copy_(store.pool.tensor(slot)[layer])
+            elif reader is not None and reader.is_local:
+                local.append((reader, target))
+            else:
+                assert reader is not None
+                reads.append(self._read(reader, layer, target))
+        if local:  # all file reads of this layer in one thread call: a thread hop costs ~0.1 ms here
+            reads.append(self._read_local(local, layer))
+        await asyncio.gather(*reads)
+        return out
+
+    async def _read_local(self, items: list[tuple[LayerReader, torch.Tensor]], layer: int) -> None:
+        outcomes = await in_thread(self._store._executor, _read_files, items, layer, self._store.layout)
+        failed = None
+        for (reader, _), outcome in zip(items, outcomes, strict=True):
+            if outcome is None:
+                reader.count(layer)
+            else:
+                await reader.tier._account(reader.key, outcome)  # counted; a corrupt file is removed
+                failed = failed or reader
+        if failed is not None:
+            raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk")
+
+    async def _read(self, reader: LayerReader, layer: int, target: torch.Tensor) -> None:
+        layout, store = self._store.layout, self._store
+        contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
+        where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
+        try:
+            ok = await asyncio.wait_for(reader.read_counted(layer, tensor_bytes(contiguous)), store.config.timeouts.get)
+        except TimeoutError:
+            reader.tier.stats.timeouts += 1
+            raise PrefetchError(f"layer {layer} of {where} timed out") from None
+        if not ok:
+            raise PrefetchError(f"layer {layer} of {where} could not be read (counted in the tier's stats)")
+        if contiguous is not target:
+            target.copy_(contiguous)
+
+    def _release(self) -> None:
+        for slot in self._slots:
+            if slot is not None:
+                self._store.pool.release(slot)
+        for reader in self._readers:
+            if reader is not None:
+                reader.close()
+        self._slots, self._readers = [], []
+
+
+def _read_files(items: list[tuple[LayerReader, torch.Tensor]], layer: int, layout: KVLayout) -> list[Exception | None]:
+    """One layer of several open files (in a worker thread); per file, the error or None."""
+    outcomes: list[Exception | None] = []
+    for reader, target in items:
+        contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
+        try:
+            reader.read_local(layer, tensor_bytes(contiguous))
+        except Exception as exc:
+            outcomes.append(exc)
+            continue
+        if contiguous is not target:
+            target.copy_(contiguous)
+        outcomes.append(None)
+    return outcomes

@@ -1,0 +1,193 @@
+"""Layerwise prefetch: layers arrive in order, bit-exact, from DRAM, disk, Redis and S3, never more
+than `depth` layers ahead of the consumer; a layer that cannot be loaded is an error the engine
+can act on, never wrong KV."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TEST_BUCKET
+
+from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
+from kvstore.format import parse_header
+from kvstore.prefetch import PrefetchError
+
+LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.bfloat16)
+
+
+def chunk(seed: int) -> torch.Tensor:
+    return torch.randn(LAYOUT.chunk_shape, generator=torch.Generator().manual_seed(seed)).to(LAYOUT.dtype)
+
+
+def expected_layer(chunks: list[torch.Tensor], layer: int) -> torch.Tensor:
+    return torch.cat([c[layer] for c in chunks], dim=1)  # [planes, n * tokens, heads, head_dim]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def config(tmp_path: Path, **sections) -> StoreConfig:
+    base = {"dram": {"capacity": LAYOUT.chunk_nbytes * 16}, "disk": {"path": tmp_path / "disk"}}
+    return StoreConfig(**{**base, **sections})
+
+
+def keys_of(store: KVStore, count: int, seed: int = 0) -> list[str]:
+    tokens = torch.randint(0, 30_000, (count * LAYOUT.chunk_tokens,), generator=torch.Generator().manual_seed(seed))
+    return store.chunk_keys(tokens.tolist())
+
+
+async def fill(cfg: StoreConfig, count: int) -> tuple[list[str], list[torch.Tensor]]:
+    """Put ``count`` chunks and let them reach every tier; returns keys and chunks."""
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        keys, chunks = keys_of(store, count), [chunk(i) for i in range(count)]
+        for key, kv in zip(keys, chunks, strict=True):
+            assert await store.put(key, kv)
+        await store.flush()
+    return keys, chunks
+
+
+async def test_layers_from_dram_arrive_in_order_and_exact(tmp_path):
+    async with KVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "prefetch") as store:
+        keys, chunks = keys_of(store, 3), [chunk(i) for i in range(3)]
+        for key, kv in zip(keys, chunks, strict=True):
+            await store.put(key, kv)
+        seen = []
+        async for layer, kv in store.prefetch(keys):
+            assert same(kv, expected_layer(chunks, layer))
+            seen.append(layer)
+        assert seen == list(range(LAYOUT.num_layers))
+        assert store.pool.stats()["referenced"] == 0, "the stream released its slots"
+
+
+@pytest.mark.parametrize("codec", ["identity", "bytesplit"])
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "aes-gcm"])
+async def test_layers_from_disk_after_a_restart(tmp_path, codec, encrypted):
+    sections = {"disk": {"path": tmp_path / "disk", "codec": codec}}
+    if encrypted:
+        sections["encryption"] = {"key": "11" * 32}
+    cfg = config(tmp_path, **sections)
+    keys, chunks = await fill(cfg, 4)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:  # empty DRAM: every layer comes from disk
+        async for layer, kv in store.prefetch(keys):
+            assert same(kv, expected_layer(chunks, layer))
+        disk = store.stats()["disk"]
+        assert disk["hits"] == 4 and disk["corrupt"] == 0 and disk["bytes_read"] > 0
+
+
+async def test_mixed_sources_and_caller_outputs(tmp_path):
+    cfg = config(tmp_path)
+    keys, chunks = await fill(cfg, 3)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        await store.put(keys[1], chunks[1])  # the middle chunk is in DRAM, the others only on disk
+        shape = (LAYOUT.kv_planes, 3 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        outs = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+        async with store.prefetch(keys, outs=outs) as stream:
+            for layer in range(LAYOUT.num_layers):
+                kv = await stream.layer(layer)
+                assert kv is outs[layer] and same(kv, expected_layer(chunks, layer))
+        assert store.stats()["disk"]["hits"] == 2
+
+
+async def test_the_stream_runs_at_most_depth_layers_ahead(tmp_path):
+    cfg = config(tmp_path)
+    keys, _ = await fill(cfg, 2)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        async with store.prefetch(keys, depth=2) as stream:
+            await stream.layer(0)
+            await asyncio.sleep(0.3)  # time enough to fetch everything, were it allowed to
+            per_layer = 2 * LAYOUT.layer_nbytes
+            assert store.stats()["disk"]["bytes_read"] == 3 * per_layer  # layer 0, and 2 ahead: not more
+            await stream.layer(2)
+            await asyncio.sleep(0.3)
+            assert store.stats()["disk"]["bytes_read"] == 5 * per_layer  # up to layer 2 + depth
+
+
+async def test_a_missing_chunk_fails_the_stream_at_once(tmp_path):
+    cfg = config(tmp_path)
+    keys, _ = await fill(cfg, 2)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        stranger = keys_of(store, 1, seed=99)[0]
+        async with store.prefetch([keys[0], stranger]) as stream:
+            with pytest.raises(PrefetchError, match="in no tier"):
+                await stream.layer(0)
+            with pytest.raises(PrefetchError):
+                await stream.layer(LAYOUT.num_layers - 1)
+        assert store.pool.stats()["referenced"] == 0
+
+
+async def test_a_corrupt_layer_stops_the_stream_there(tmp_path):
+    cfg = config(tmp_path)
+    keys, chunks = await fill(cfg, 2)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        path = store.tiers[0].backend.path_for(keys[1])
+        data = bytearray(path.read_bytes())
+        header = parse_header(data, LAYOUT, keys[1])
+        data[header.header_len + header.segments[4].offset + 7] ^= 0x10  # layer 4 of chunk 1
+        path.write_bytes(bytes(data))
+        async with store.prefetch(keys) as stream:
+            for layer in range(4):
+                assert same(await stream.layer(layer), expected_layer(chunks, layer))
+            with pytest.raises(PrefetchError, match="layer 4"):
+                await stream.layer(4)
+            with pytest.raises(PrefetchError):
+                await stream.layer(5)
+        assert store.stats()["disk"]["corrupt"] == 1
+        assert not path.exists(), "the corrupt chunk was removed"
+
+
+async def test_leaving_the_loop_early_releases_everything(tmp_path):
+    async with KVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "prefetch") as store:
+        keys = keys_of(store, 2)
+        for i, key in enumerate(keys):
+            await store.put(key, chunk(i))
+        async for layer, _ in store.prefetch(keys):
+            if layer == 1:
+                break
+        # The abandoned iterator is closed by the loop's async-generator finalizer within a few
+        # loop turns (`async with store.prefetch(...)` closes at a point of your choosing).
+        for _ in range(100):
+            if store.pool.stats()["referenced"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert store.pool.stats()["referenced"] == 0
+
+
+@pytest.mark.parametrize("remote", ["redis", "s3"])
+async def test_layers_from_remote_tiers(tmp_path, request, monkeypatch, remote):
+    prefix = f"prefetch-{uuid.uuid4().hex[:8]}"
+    if remote == "redis":
+        server = request.getfixturevalue("redis_server")
+        section = {"redis": {"enabled": True, "url": server.url, "prefix": prefix}}
+    else:
+        server = request.getfixturevalue("moto_server")
+        for name, value in server.credentials_env().items():
+            monkeypatch.setenv(name, value)
+        section = {"s3": {"enabled": True, "bucket": TEST_BUCKET, "prefix": prefix}}
+    cfg = config(tmp_path, disk={"enabled": False}, **section)
+    keys, chunks = await fill(cfg, 3)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        async for layer, kv in store.prefetch(keys, depth=3):
+            assert same(kv, expected_layer(chunks, layer))
+        assert store.stats()[remote]["hits"] == 3
+
+
+def test_engine_threads_wait_for_layers(tmp_path):
+    cfg = config(tmp_path)
+    with SyncKVStore(cfg, LAYOUT, "prefetch") as store:
+        keys = store.chunk_keys(list(range(2 * LAYOUT.chunk_tokens)))
+        chunks = [chunk(10), chunk(11)]
+        for key, kv in zip(keys, chunks, strict=True):
+            store.put(key, kv)
+        with store.prefetch(keys) as stream:
+            for layer in range(LAYOUT.num_layers):
+                assert same(stream.wait_layer(layer, timeout=10), expected_layer(chunks, layer))
+        assert [layer for layer, _ in store.prefetch(keys)] == list(range(LAYOUT.num_layers))
+        stream = store.prefetch(keys, depth=1)
+        stream.close()
+        with pytest.raises(PrefetchError, match="closed"):  # a waiting engine thread is released, not hung
+            stream.wait_layer(LAYOUT.num_layers - 1, timeout=10)
