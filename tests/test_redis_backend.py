@@ -365,9 +365,9 @@ async def test_reconnects_after_restart(make_backend: Callable[..., RedisBackend
 
         flaky.stop()
         took = await elapsed_raising(lambda: backend.get(chunk_key(40)), RedisConnectionError)
-        assert took < backend.operation_timeout + 0.5
+        assert took < backend.operation_timeout + 2.0
         took = await elapsed_raising(lambda: backend.set(chunk_key(41), [b"x"]), RedisConnectionError)
-        assert took < backend.operation_timeout + 0.5
+        assert took < backend.operation_timeout + 2.0
 
         flaky.start()  # same port, empty (no persistence): the same object works again, no reopen
         assert await backend.get(chunk_key(40)) is None
@@ -389,7 +389,7 @@ async def test_open_while_server_is_down(make_backend: Callable[..., RedisBacken
         backend = make_backend(late.url, **FAST)
         started = time.monotonic()
         await backend.open()  # a store must start without its remote tier
-        assert time.monotonic() - started < backend.operation_timeout + 0.5
+        assert time.monotonic() - started < backend.operation_timeout + 2.0
         with pytest.raises(RedisConnectionError):
             await backend.exists(chunk_key(50))
         late.start()
@@ -409,7 +409,7 @@ async def _check_frozen(
 ) -> None:
     backend = make_backend(url, cluster=is_cluster, **FAST)
     await backend.set(chunk_key(60), [b"v"])
-    bound = 3 * FAST["socket_timeout"]
+    bound = 5 * FAST["socket_timeout"]  # the hard limit is 1.0 s; the rest is slack for a loaded machine
     frozen.pause()  # SIGSTOP: connections stay open, nothing answers
     try:
         assert await elapsed_raising(lambda: backend.get(chunk_key(60)), RedisTimeoutError) < bound
@@ -476,7 +476,7 @@ async def test_cluster_survives_losing_a_node(make_backend: Callable[..., RedisB
             assert await backend.prefix_count(alive) == len(alive)
             for key in gone:
                 took = await elapsed_raising(partial(backend.get, key), RedisConnectionError)
-                assert took < backend.operation_timeout + 0.5
+                assert took < backend.operation_timeout + 2.0
             with pytest.raises(RedisConnectionError):
                 await backend.get_many(keys)  # a batch touching the lost node fails as a whole
             for key in alive:
