@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -299,3 +299,13 @@ async def run(mib: int, repeats: int, directory: Path | None, fsync: bool) -> tu
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return rows, mib
+
+
+def parse_names(text: str, choices: Sequence[str], what: str) -> list[str]:
+    """A comma-separated list of ``choices`` (or ``all``), for the bench's --remote and --prefetch options."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = list(choices) if names == ["all"] else names
+    unknown = [name for name in names if name not in choices]
+    if unknown:
+        raise ValueError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(choices)} or all")
+    return names

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.bench import LAYOUTS, _sample_chunks
+from kvstore.bench import LAYOUTS, _sample_chunks, parse_names
 from kvstore.config import StoreConfig
 from kvstore.devservers import MotoServer, RedisServer, S3Server, environment
 from kvstore.layout import KVLayout
@@ -129,9 +129,4 @@ def _measure(store: SyncKVStore, keys: list[str], tier: str, repeats: int, depth
 
 
 def parse_tiers(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    names = list(TIERS) if names == ["all"] else names
-    unknown = [n for n in names if n not in TIERS]
-    if unknown:
-        raise ValueError(f"unknown tier(s) {', '.join(unknown)}; choose from {', '.join(TIERS)} or all")
-    return names
+    return parse_names(text, TIERS, "tier(s)")

@@ -28,7 +28,7 @@ import torch
 from rich.table import Table
 
 from kvstore.backends.base import Backend
-from kvstore.bench import LAYOUTS, Row, _best_pair, _sample_chunks
+from kvstore.bench import LAYOUTS, Row, _best_pair, _sample_chunks, parse_names
 from kvstore.buffers import tensor_bytes
 from kvstore.codecs import make_codec
 from kvstore.devservers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
@@ -232,12 +232,7 @@ def serve(names: Sequence[str], concurrency: int) -> Iterator[list[Remote]]:
 
 
 def parse_remotes(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    names = list(REMOTES) if names == ["all"] else names
-    unknown = [n for n in names if n not in REMOTES]
-    if unknown:
-        raise ValueError(f"unknown remote(s) {', '.join(unknown)}; choose from {', '.join(REMOTES)} or all")
-    return names
+    return parse_names(text, REMOTES, "remote(s)")
 
 
 async def _bounded(concurrency: int, count: int, job: Callable[[int], Awaitable[None]]) -> float:
