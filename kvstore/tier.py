@@ -185,22 +185,32 @@ class ChunkTier:
             return None
         with reader:
             # One read for the header and, if the file is what we write, the first layer batch.
-            head = memoryview(bytearray(self._header_guess))
             first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if self._plain else out[:0]
-            got = reader.readinto([head, first_batch], 0)
-            needed = header_length(head[: min(got, len(head))])
-            if needed > len(head):
-                head = memoryview(bytearray(needed))
-                reader.readinto([head], 0)
-            header = parse_header(head[:needed], self.layout, key, self.cipher)
-            if reader.size != header.total_len:
-                raise ChunkFormatError(f"file is {reader.size} bytes, header says {header.total_len}")
+            header, batch_read = self._read_file_header(reader, key, first_batch)
             if header.plain:
-                already = self._batch_layers if needed == len(head) == self._header_guess and len(first_batch) else 0
-                self._read_identity(reader, header, out, already)
+                self._read_identity(reader, header, out, self._batch_layers if batch_read else 0)
             else:
                 self._read_encoded(reader, header, out)
         return reader.size
+
+    def _read_file_header(
+        self, reader: ChunkReader, key: ChunkKey, first_batch: memoryview
+    ) -> tuple[ChunkHeader, bool]:
+        """The file's checked header, read together with ``first_batch`` (the bytes right after it).
+
+        The flag says whether ``first_batch`` now holds those bytes: only when the header had the
+        expected size (a file written with another codec or key has another header size).
+        """
+        head = memoryview(bytearray(self._header_guess))
+        got = reader.readinto([head, first_batch], 0)
+        needed = header_length(head[: min(got, len(head))])
+        if needed > len(head):
+            head = memoryview(bytearray(needed))
+            reader.readinto([head], 0)
+        header = parse_header(head[:needed], self.layout, key, self.cipher)
+        if reader.size != header.total_len:
+            raise ChunkFormatError(f"file is {reader.size} bytes, header says {header.total_len}")
+        return header, needed == len(head) == self._header_guess and len(first_batch) > 0
 
     def _read_identity(self, reader: ChunkReader, header: ChunkHeader, out: memoryview, already: int) -> None:
         """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot.
@@ -316,15 +326,7 @@ class ChunkTier:
         if file is None:
             return None
         try:
-            head = memoryview(bytearray(self._header_guess))
-            got = file.readinto([head], 0)
-            needed = header_length(head[:got])
-            if needed > len(head):
-                head = memoryview(bytearray(needed))
-                file.readinto([head], 0)
-            header = parse_header(head[:needed], self.layout, key, self.cipher)
-            if file.size != header.total_len:
-                raise ChunkFormatError(f"file is {file.size} bytes, header says {header.total_len}")
+            header, _ = self._read_file_header(file, key, memoryview(b""))
         except BaseException:
             file.__exit__(None, None, None)
             raise
