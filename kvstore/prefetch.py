@@ -148,6 +148,8 @@ class LayerStream:
         self._slots = [store.pool.acquire(key) for key in self._keys]
         self._readers = [None] * len(self._keys)
         missing = [index for index, slot in enumerate(self._slots) if slot is None]
+        store._counters["streamed"] += len(self._keys)
+        store._counters["streamed_from_dram"] += len(self._keys) - len(missing)
         for tier in store.tiers:
             if not missing:
                 return

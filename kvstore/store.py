@@ -64,7 +64,16 @@ class KVStore:
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory)
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
-        self._counters = {"puts": 0, "put_rejected": 0, "put_duplicate": 0, "gets": 0, "hits": 0, "misses": 0}
+        self._counters = {
+            "puts": 0,
+            "put_rejected": 0,
+            "put_duplicate": 0,
+            "gets": 0,
+            "hits": 0,
+            "misses": 0,
+            "streamed": 0,  # chunks opened by layer streams (prefetch), from any tier
+            "streamed_from_dram": 0,
+        }
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
         self._workers: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Future[Any]] = set()  # tier operations, tracked until they end

