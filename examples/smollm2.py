@@ -47,8 +47,15 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
 
 _NAMES = "Maria Tomas Aiko Lena Omar Priya Jonas Sofia Mateo Ingrid Kwame Elena Ravi Chloe Dmitri Ana".split()
 _CITIES = "Lisbon Oslo Nairobi Kyoto Lima Tallinn Porto Hanoi Quebec Dakar Bergen Cusco Seville Tartu Osaka".split()
-_TRADES = {"bakery": "ovens", "bookshop": "shelves", "pottery studio": "kilns", "tea house": "tables",
-           "clock repair shop": "lathes", "flower stall": "buckets", "printing press": "typefaces"}
+_TRADES = {
+    "bakery": "ovens",
+    "bookshop": "shelves",
+    "pottery studio": "kilns",
+    "tea house": "tables",
+    "clock repair shop": "lathes",
+    "flower stall": "buckets",
+    "printing press": "typefaces",
+}
 
 
 def document_ids(tokenizer: Any, n_tokens: int, seed: int = 0) -> list[int]:
@@ -70,7 +77,9 @@ def document_ids(tokenizer: Any, n_tokens: int, seed: int = 0) -> list[int]:
 
 def question_ids(tokenizer: Any, record: int) -> list[int]:
     """A question whose answer sits in one earlier record: the reply depends on the whole prefix."""
-    return tokenizer(f"\nQuestion: where did the person of Record {record} move, and what did they open?\nAnswer:").input_ids
+    return tokenizer(
+        f"\nQuestion: where did the person of Record {record} move, and what did they open?\nAnswer:"
+    ).input_ids
 
 
 def prompt_ids(tokenizer: Any, n_document: int, record: int = 2, seed: int = 0) -> torch.Tensor:

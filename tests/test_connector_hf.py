@@ -152,7 +152,13 @@ def test_the_first_request_is_saved_and_the_second_reuses_it_from_dram(scenario)
 
 @pytest.mark.parametrize(
     "tier,codec",
-    [("disk", "identity"), ("disk", "bytesplit"), ("redis", "bytesplit"), ("moto", "bytesplit"), ("seaweedfs", "identity")],
+    [
+        ("disk", "identity"),
+        ("disk", "bytesplit"),
+        ("redis", "bytesplit"),
+        ("moto", "bytesplit"),
+        ("seaweedfs", "identity"),
+    ],
 )
 def test_a_2k_prefix_from_each_tier_gives_the_same_tokens(scenario, tmp_path, request, monkeypatch, tier, codec):
     config = tier_config(tier, tmp_path, request, monkeypatch, codec)

@@ -68,30 +68,45 @@ def layout_for_model(model: Any, *, dtype: torch.dtype | None = None, chunk_toke
 class LoadedPrefix:
     """A request's ``DynamicCache``, whose first ``reused_tokens`` tokens stream in from the store.
 
-    ``chunks`` chunks are being loaded (0: nothing cached, the cache starts empty). Close it (or
+    ``chunks`` chunks are loaded (0: nothing was cached, the cache starts empty). Close it (or
     use ``with``) if the forward pass never ran: that releases what the stream holds. It closes
     itself once every layer has been handed to the model.
     """
 
     def __init__(
-        self,
-        model: Any,
-        keys: list[ChunkKey],
-        chunks: int,
-        reused_tokens: int,
-        stream: SyncLayerStream | None,
-        wait_timeout: float | None,
+        self, model: Any, keys: list[ChunkKey], chunks: int = 0, reused_tokens: int = 0, prompt_tokens: int = 0
     ) -> None:
         self.keys, self.chunks, self.reused_tokens = keys, chunks, reused_tokens
+        self.prompt_tokens = prompt_tokens
         self.model_dtype, self.model_device = model.dtype, model.device
         self.waited = 0.0  # seconds the forward pass spent waiting for layers
-        self._stream, self._wait_timeout = stream, wait_timeout
+        self.cache = DynamicCache(config=model.config)
+        self.buffers: list[torch.Tensor] = []  # per layer [planes, 1, heads, prompt_tokens, dim], if in place
+        self._stream: SyncLayerStream | None = None
+        self._wait_timeout: float | None = None
         self._pending = 0
         self._lock = threading.Lock()
-        self.cache = DynamicCache(config=model.config)
-        if stream is not None:
-            self._pending = len(self.cache.layers)
-            self.cache.layers = [StreamedPrefixLayer(self, index) for index in range(len(self.cache.layers))]
+
+    def start(self, store: SyncKVStore, wait_timeout: float) -> None:
+        """Start streaming the prefix; every layer of the cache waits for its own part of it.
+
+        When the model keeps its KV on the CPU in the stored dtype, each layer's prefix is
+        written straight into the tensor the model will use (prompt-long, in the model's
+        ``[1, heads, tokens, dim]`` order): the tokens after the prefix are added in place, no copy.
+        """
+        layout: KVLayout = store.store.layout
+        shape = (layout.kv_planes, 1, layout.num_kv_heads, self.prompt_tokens, layout.head_dim)
+        outs = None
+        if layout.dtype == self.model_dtype and self.model_device.type == "cpu":
+            # Plain tensors even under torch.inference_mode(): the store's thread writes them outside it.
+            with torch.inference_mode(False):
+                self.buffers = [torch.empty(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+            loaded = self.chunks * layout.chunk_tokens  # <= prompt_tokens
+            outs = [buffer[:, 0, :, :loaded].permute(0, 2, 1, 3) for buffer in self.buffers]  # canonical order
+        self._stream = store.prefetch(self.keys[: self.chunks], depth=layout.num_layers, outs=outs)
+        self._wait_timeout = wait_timeout
+        self._pending = len(self.cache.layers)
+        self.cache.layers = [StreamedPrefixLayer(self, index) for index in range(len(self.cache.layers))]
 
     @property
     def complete(self) -> bool:
@@ -123,6 +138,7 @@ class LoadedPrefix:
             self.close()
 
     def close(self) -> None:
+        self.buffers = []  # the layers that took theirs keep them
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
@@ -169,18 +185,24 @@ class StreamedPrefixLayer(DynamicLayer):
         kv = prefix.layer_kv(self._index)  # [planes, chunks * tokens, heads, dim]
         reused = prefix.reused_tokens
         new = 0 if key_states is None else key_states.shape[-2]
-        dtype = prefix.model_dtype if key_states is None else key_states.dtype
-        device = prefix.model_device if key_states is None else key_states.device
-        heads, dim = kv.shape[2], kv.shape[3]
-        planes = []
-        for plane, states in enumerate((key_states, value_states)):
-            full = torch.empty((1, heads, reused + new, dim), dtype=dtype, device=device)
-            full[0, :, :reused].copy_(kv[plane, :reused].transpose(0, 1))  # casts and moves as needed
-            if states is not None:
-                full[:, :, reused:].copy_(states)
-            planes.append(full)
+        if prefix.buffers and reused + new == prefix.prompt_tokens:
+            # The prefix already sits in the model's tensors; the new tokens go after it.
+            planes = [plane[..., : reused + new, :] for plane in prefix.buffers[self._index]]
+            for plane, states in zip(planes, (key_states, value_states), strict=True):
+                if states is not None:
+                    plane[..., reused:, :].copy_(states)
+        else:  # another dtype or device, or not the prompt's remaining tokens: one copy (casting, moving)
+            dtype = prefix.model_dtype if key_states is None else key_states.dtype
+            device = prefix.model_device if key_states is None else key_states.device
+            planes = []
+            for plane, states in enumerate((key_states, value_states)):
+                full = torch.empty((1, kv.shape[2], reused + new, kv.shape[3]), dtype=dtype, device=device)
+                full[0, :, :reused].copy_(kv[plane, :reused].transpose(0, 1))
+                if states is not None:
+                    full[:, :, reused:].copy_(states)
+                planes.append(full)
         self.keys, self.values = planes
-        self.dtype, self.device, self.is_initialized = dtype, device, True
+        self.dtype, self.device, self.is_initialized = self.keys.dtype, self.keys.device, True
         self._prefix = None
         prefix.layer_done(self._index)
 
@@ -268,11 +290,14 @@ class HFConnector:
         chunks = self.store.lookup(keys) if keys else 0
         reused = min(chunks * self.layout.chunk_tokens, len(tokens) - 1)
         if reused <= 0:
-            return LoadedPrefix(self.model, keys, 0, 0, None, None)
-        stream = self.store.prefetch(keys[:chunks], depth=self.layout.num_layers)
-        return LoadedPrefix(self.model, keys, chunks, reused, stream, self.wait_timeout)
+            return LoadedPrefix(self.model, keys)
+        prefix = LoadedPrefix(self.model, keys, chunks, reused, len(tokens))
+        prefix.start(self.store, self.wait_timeout)
+        return prefix
 
-    def save(self, token_ids: torch.Tensor | Sequence[int], cache: DynamicCache, *, start_chunk: int | None = None) -> int:
+    def save(
+        self, token_ids: torch.Tensor | Sequence[int], cache: DynamicCache, *, start_chunk: int | None = None
+    ) -> int:
         """Put the full chunks of ``token_ids`` that ``cache`` holds, from ``start_chunk`` on; how many were put.
 
         ``start_chunk=None`` asks the store where its stored prefix ends. ``token_ids`` are the
@@ -317,7 +342,7 @@ class HFConnector:
             log.warning("cached prefix of %d tokens failed to load (%s); recomputing", prefix.reused_tokens, exc)
             self.counters["fallbacks"] += 1
             prefix.close()
-            prefix = LoadedPrefix(self.model, prefix.keys, 0, 0, None, None)
+            prefix = LoadedPrefix(self.model, prefix.keys)
             start_chunk = None  # the store's prefix may have shrunk: a corrupt chunk was removed
             output = self.model.generate(input_ids, past_key_values=prefix.cache, **generate_kwargs)
         finally:

