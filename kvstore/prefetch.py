@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.buffers import tensor_bytes
+from kvstore.buffers import copy_between, tensor_bytes
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.threads import in_thread
@@ -121,6 +121,7 @@ class LayerStream:
                     self._wanted.clear()
                     await self._wanted.wait()
                 self._arrive(layer, await self._fetch(layer))
+                await asyncio.sleep(0)  # DRAM layers complete without awaiting: let waiters in between
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -176,7 +177,7 @@ class LayerStream:
         for index, (slot, reader) in enumerate(zip(self._slots, self._readers, strict=True)):
             target = out[:, index * tokens : (index + 1) * tokens]
             if slot is not None:
-                target.copy_(store.pool.tensor(slot)[layer])
+                copy_between(target, store.pool.tensor(slot)[layer])
             elif reader is not None and reader.is_local:
                 local.append((reader, target))
             else:
@@ -204,14 +205,17 @@ class LayerStream:
         contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
         try:
-            ok = await asyncio.wait_for(reader.read_counted(layer, tensor_bytes(contiguous)), store.config.timeouts.get)
+            # Later layers ride along in the same request, as far as the stream may run ahead.
+            ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
+            read = reader.read_counted(layer, tensor_bytes(contiguous), ahead)
+            ok = await asyncio.wait_for(read, store.config.timeouts.get)
         except TimeoutError:
             reader.tier.stats.timeouts += 1
             raise PrefetchError(f"layer {layer} of {where} timed out") from None
         if not ok:
             raise PrefetchError(f"layer {layer} of {where} could not be read (counted in the tier's stats)")
         if contiguous is not target:
-            target.copy_(contiguous)
+            copy_between(target, contiguous)
 
     def _release(self) -> None:
         for slot in self._slots:
@@ -234,6 +238,6 @@ def _read_files(items: list[tuple[LayerReader, torch.Tensor]], layer: int, layou
             outcomes.append(exc)
             continue
         if contiguous is not target:
-            target.copy_(contiguous)
+            copy_between(target, contiguous)
         outcomes.append(None)
     return outcomes

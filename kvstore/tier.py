@@ -393,35 +393,71 @@ def _each(
 class LayerReader:
     """One chunk of a tier opened for layer-by-layer reads; ``close()`` it when done.
 
-    Disk keeps the file open and reads each segment with one positioned read; remote tiers
-    issue one byte-range request per segment. Every segment is verified before use.
+    Disk keeps the file open and reads each segment with one positioned read. Remote tiers
+    issue byte-range requests that may cover the next few layers too (``ahead``): each request
+    costs a round trip (~4 ms on moto), so a stream asks for layer 0 alone, then for spans that
+    double (1, 2, 4, ... layers), keeping the first layer fast and the request count near
+    ``log2(layers)``. Every segment is verified when it is used.
     """
 
     def __init__(self, tier: ChunkTier, key: ChunkKey, header: ChunkHeader, file: ChunkReader | None) -> None:
         self.tier, self.key, self.header, self._file = tier, key, header, file
+        self._fetched: dict[int, memoryview] = {}  # remote segments received ahead of their layer
+        self.requests = 0  # remote range requests made
 
     @property
     def is_local(self) -> bool:
         """Reads are blocking file reads (batch them into one thread call with :meth:`read_local`)."""
         return self._file is not None
 
-    async def read(self, layer: int, out: memoryview) -> None:
-        """Verify and decode layer ``layer`` into ``out``; raises on any problem (not counted)."""
-        segment = self.header.segments[layer]
-        start = self.header.header_len + segment.offset
+    async def read(self, layer: int, out: memoryview, ahead: int = 0) -> None:
+        """Verify and decode layer ``layer`` into ``out``; raises on any problem (not counted).
+
+        A remote read that must make a request fetches up to ``ahead`` further layers with it.
+        """
         tier = self.tier
         if self._file is not None:
             await in_thread(tier._executor, self.read_local, layer, out)
             return
-        stored = await tier.backend.get(self.key, (start, start + segment.stored_len))
+        stored = self._fetched.pop(layer, None)
         if stored is None:
-            raise ChunkFormatError(f"layer {layer} vanished while the chunk was being read")
+            stored = await self._fetch_span(layer, min(layer + 1 + ahead, len(self.header.segments)))
         await in_thread(tier._executor, decode_layer, self.header, tier.layout, layer, stored, out)
 
-    async def read_counted(self, layer: int, out: memoryview) -> bool:
+    async def _fetch_span(self, first: int, end: int) -> memoryview:
+        """Layers ``first`` to ``end - 1`` in one range request; returns the first, keeps the rest."""
+        segments, base = self.header.segments, self.header.header_len
+        start = base + segments[first].offset
+        stop = base + segments[end - 1].offset + segments[end - 1].stored_len
+        self.requests += 1
+        data = await self.tier.backend.get(self.key, (start, stop))
+        if data is None:
+            raise ChunkFormatError(f"layer {first} vanished while the chunk was being read")
+        if len(data) != stop - start:
+            raise ChunkFormatError(f"layers {first}-{end - 1}: {len(data)} bytes, expected {stop - start}")
+        view = memoryview(data)
+        for layer in range(first + 1, end):
+            offset = base + segments[layer].offset - start
+            self._fetched[layer] = view[offset : offset + segments[layer].stored_len]
+        return view[: segments[first].stored_len]
+
+    def next_span(self, layer: int, limit: int) -> int:
+        """Layers to fetch ahead with ``layer``'s request: 0 for the first, then doubling, at most ``limit``.
+
+        The span also stops at the backend's ``range_request_bytes``: a bigger request would
+        only make the consumer wait longer for its first layer, on a server where a round
+        trip is cheap (Redis here: one layer a request measured best; S3 gains ~3x from spans).
+        """
+        if self._file is not None or layer in self._fetched:
+            return 0
+        per_request = self.tier.backend.range_request_bytes
+        cap = max(1, per_request // max(1, self.header.segments[layer].stored_len)) - 1
+        return min((1 << self.requests) - 1, limit, cap)
+
+    async def read_counted(self, layer: int, out: memoryview, ahead: int = 0) -> bool:
         """``read``, with a failure counted in the tier's stats (a corrupt chunk is removed)."""
         try:
-            await self.read(layer, out)
+            await self.read(layer, out, ahead)
         except Exception as exc:
             return await self.tier._account(self.key, exc)
         self.count(layer)
@@ -446,6 +482,7 @@ class LayerReader:
             decode_layer(self.header, self.tier.layout, layer, target, out)
 
     def close(self) -> None:
+        self._fetched.clear()
         if self._file is not None:
             self._file.__exit__(None, None, None)
             self._file = None

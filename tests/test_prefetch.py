@@ -174,6 +174,13 @@ async def test_layers_from_remote_tiers(tmp_path, request, monkeypatch, remote):
         async for layer, kv in store.prefetch(keys, depth=3):
             assert same(kv, expected_layer(chunks, layer))
         assert store.stats()[remote]["hits"] == 3
+        before = store.stats()[remote]["requests"]
+        async for layer, kv in store.prefetch(keys, depth=LAYOUT.num_layers):
+            assert same(kv, expected_layer(chunks, layer))
+        # Per chunk: its header, then on S3 spans of 1, 2 and 3 layers (doubling, cut at the last
+        # layer); on Redis, where a round trip is cheap, one request per layer.
+        per_chunk = 1 + (3 if remote == "s3" else LAYOUT.num_layers)
+        assert store.stats()[remote]["requests"] - before == 3 * per_chunk
 
 
 def test_engine_threads_wait_for_layers(tmp_path):

@@ -21,6 +21,9 @@ ByteRange = tuple[int, int]
 class Backend(ABC):
     name: ClassVar[str]
     supports_partial_reads: ClassVar[bool] = True
+    # Bytes a range request should carry to amortize its round trip: layer streams coalesce
+    # consecutive layers up to this size. 0: one layer per request (round trips are cheap).
+    range_request_bytes: ClassVar[int] = 0
 
     async def open(self) -> None:
         """Connect, create directories, rebuild indexes."""

@@ -42,6 +42,8 @@ class S3BackendError(RuntimeError):
 
 class S3Backend(Backend):
     name = "s3"
+    # A GET costs a few ms before its first byte (4 ms on moto here, 10-30 ms on AWS): worth ~4 MiB.
+    range_request_bytes = 4 << 20
     supports_partial_reads = True
 
     def __init__(
