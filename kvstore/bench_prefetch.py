@@ -118,9 +118,13 @@ def run_overlap(
 
 
 def _measure(store: SyncKVStore, keys: list[str], tier: str, repeats: int, depth: int) -> list[OverlapRow]:
-    """f from passes without compute (the stream free to run ahead), then passes with c = k * f."""
+    """f from passes without compute, then passes with c = k * f; all at the same ``depth``.
+
+    The depth shapes the fetch itself (how many layers a remote request may carry), so f is
+    measured at the depth the compute passes use.
+    """
     layers = store.store.layout.num_layers
-    fetch = min(_engine_pass(store, keys, 0.0, layers)[1] for _ in range(repeats)) / layers
+    fetch = min(_engine_pass(store, keys, 0.0, depth)[1] for _ in range(repeats)) / layers
     rows = []
     for factor in COMPUTE_FACTORS:
         ttfl, total, computed = min(_engine_pass(store, keys, fetch * factor, depth) for _ in range(repeats))

@@ -304,7 +304,7 @@ class ChunkTier:
 
     async def open_layers_many(self, keys: Sequence[ChunkKey]) -> list[LayerReader | None]:
         """:meth:`open_layers` for several chunks: files in one thread call, remote headers concurrently."""
-        outcomes: Sequence[tuple[ChunkHeader, ChunkReader | None] | None | BaseException]
+        outcomes: Sequence[tuple[ChunkHeader, ChunkReader | None, memoryview | None] | None | BaseException]
         if isinstance(self.backend, LocalBackend):
             outcomes = await in_thread(self._executor, _each, self._open_local, [(key, None) for key in keys])
         else:
@@ -315,12 +315,12 @@ class ChunkTier:
                 await self._account(key, outcome)
                 readers.append(None)
                 continue
-            header, file = outcome
+            header, file, first_layer = outcome
             self.stats.hits += 1  # one per chunk opened; its layers add to bytes_read
-            readers.append(LayerReader(self, key, header, file))
+            readers.append(LayerReader(self, key, header, file, first_layer))
         return readers
 
-    def _open_local(self, key: ChunkKey, _: object = None) -> tuple[ChunkHeader, ChunkReader] | None:
+    def _open_local(self, key: ChunkKey, _: object = None) -> tuple[ChunkHeader, ChunkReader, None] | None:
         assert isinstance(self.backend, LocalBackend)
         file = self.backend.open_reader(key)
         if file is None:
@@ -330,10 +330,14 @@ class ChunkTier:
         except BaseException:
             file.__exit__(None, None, None)
             raise
-        return header, file
+        return header, file, None
 
-    async def _open_remote(self, key: ChunkKey) -> tuple[ChunkHeader, None] | None:
-        head = await self.backend.get(key, (0, self._header_guess))
+    async def _open_remote(self, key: ChunkKey) -> tuple[ChunkHeader, None, memoryview | None] | None:
+        """The checked header and, read in the same request, layer 0's stored bytes when they fit.
+
+        One round trip instead of two before the first layer (a range past the end is clamped).
+        """
+        head = await self.backend.get(key, (0, self._header_guess + self.layout.layer_nbytes))
         if head is None:
             return None
         needed = header_length(head)
@@ -341,7 +345,12 @@ class ChunkTier:
             head = await self.backend.get(key, (0, needed))
             if head is None:
                 return None
-        return parse_header(head, self.layout, key, self.cipher), None
+        header = parse_header(memoryview(head)[:needed], self.layout, key, self.cipher)
+        first = header.segments[0]
+        start = header.header_len + first.offset
+        if start + first.stored_len > len(head):
+            return header, None, None
+        return header, None, memoryview(head)[start : start + first.stored_len]
 
     async def _discard_corrupt(self, key: ChunkKey, exc: ChunkFormatError) -> None:
         self.stats.corrupt += 1
@@ -395,15 +404,23 @@ class LayerReader:
 
     Disk keeps the file open and reads each segment with one positioned read. Remote tiers
     issue byte-range requests that may cover the next few layers too (``ahead``): each request
-    costs a round trip (~4 ms on moto), so a stream asks for layer 0 alone, then for spans that
-    double (1, 2, 4, ... layers), keeping the first layer fast and the request count near
-    ``log2(layers)``. Every segment is verified when it is used.
+    costs a round trip (~4 ms on moto), so layer 0 comes with the header, and later requests
+    span as many layers as were fetched before (1, 2, 4, ...), keeping the first layer fast and
+    the request count near ``log2(layers)``. Every segment is verified when it is used.
     """
 
-    def __init__(self, tier: ChunkTier, key: ChunkKey, header: ChunkHeader, file: ChunkReader | None) -> None:
+    def __init__(
+        self,
+        tier: ChunkTier,
+        key: ChunkKey,
+        header: ChunkHeader,
+        file: ChunkReader | None,
+        first_layer: memoryview | None = None,
+    ) -> None:
         self.tier, self.key, self.header, self._file = tier, key, header, file
-        self._fetched: dict[int, memoryview] = {}  # remote segments received ahead of their layer
-        self.requests = 0  # remote range requests made
+        # Remote segments received ahead of their layer (layer 0 may come with the header).
+        self._fetched: dict[int, memoryview] = {} if first_layer is None else {0: first_layer}
+        self._layers_fetched = len(self._fetched)
 
     @property
     def is_local(self) -> bool:
@@ -429,7 +446,7 @@ class LayerReader:
         segments, base = self.header.segments, self.header.header_len
         start = base + segments[first].offset
         stop = base + segments[end - 1].offset + segments[end - 1].stored_len
-        self.requests += 1
+        self._layers_fetched += end - first
         data = await self.tier.backend.get(self.key, (start, stop))
         if data is None:
             raise ChunkFormatError(f"layer {first} vanished while the chunk was being read")
@@ -442,7 +459,7 @@ class LayerReader:
         return view[: segments[first].stored_len]
 
     def next_span(self, layer: int, limit: int) -> int:
-        """Layers to fetch ahead with ``layer``'s request: 0 for the first, then doubling, at most ``limit``.
+        """Layers to fetch ahead with ``layer``'s request: as many as fetched so far (spans double), at most ``limit``.
 
         The span also stops at the backend's ``range_request_bytes``: a bigger request would
         only make the consumer wait longer for its first layer, on a server where a round
@@ -452,7 +469,7 @@ class LayerReader:
             return 0
         per_request = self.tier.backend.range_request_bytes
         cap = max(1, per_request // max(1, self.header.segments[layer].stored_len)) - 1
-        return min((1 << self.requests) - 1, limit, cap)
+        return min(self._layers_fetched, limit, cap)
 
     async def read_counted(self, layer: int, out: memoryview, ahead: int = 0) -> bool:
         """``read``, with a failure counted in the tier's stats (a corrupt chunk is removed)."""
