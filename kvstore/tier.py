@@ -335,9 +335,10 @@ class ChunkTier:
     async def _open_remote(self, key: ChunkKey) -> tuple[ChunkHeader, None, memoryview | None] | None:
         """The checked header and, read in the same request, layer 0's stored bytes when they fit.
 
-        One round trip instead of two before the first layer (a range past the end is clamped).
+        One round trip instead of two before the first layer (a range past the end is clamped;
+        the slack covers a sealed or incompressible segment's few extra bytes).
         """
-        head = await self.backend.get(key, (0, self._header_guess + self.layout.layer_nbytes))
+        head = await self.backend.get(key, (0, self._header_guess + self.layout.layer_nbytes + 4096))
         if head is None:
             return None
         needed = header_length(head)
