@@ -13,6 +13,7 @@ fails to import: these tests never skip.
 from __future__ import annotations
 
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -241,3 +242,38 @@ def test_a_batch_is_refused(scenario, tmp_path):
     with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
         with pytest.raises(ValueError, match="one prompt at a time"):
             HFConnector(scenario.model, store).generate(torch.zeros((2, 300), dtype=torch.long), max_new_tokens=1)
+
+
+def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario, tmp_path):
+    """Redis stops answering after the lookup found the prefix: the load times out, the request is
+    recomputed, and the reply is still exact."""
+    from kvstore.devservers import RedisServer
+
+    with RedisServer() as server:
+        redis = {"enabled": True, "url": server.url, "codec": "identity"}
+        config = StoreConfig(dram={"capacity": "256MiB"}, disk={"enabled": False}, redis=redis, timeouts={"get": 1})
+        cache_the_first_request(scenario, config)
+        with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
+            connector = HFConnector(scenario.model, store)
+            lookup = store.lookup
+
+            def lookup_then_freeze(keys):
+                found = lookup(keys)
+                server.pause()  # SIGSTOP: connections stay open, nothing answers
+                return found
+
+            store.lookup = lookup_then_freeze
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    output = connector.generate(scenario.second, save=False, **GREEDY)
+            finally:
+                server.resume()
+            elapsed = time.perf_counter() - started
+            stats = connector.stats()
+    reply = reply_of(output, scenario.second.shape[1])
+    tokens, _, until_divergence = agreement(reply, scenario.second_reference)
+    assert tokens == len(scenario.second_reference.tokens) and until_divergence < 1e-4
+    assert stats["connector"]["fallbacks"] == 1 and stats["redis"]["timeouts"] >= 1
+    # The frozen server cost about its 1 s timeout, on top of a full recompute and the 31 decode steps.
+    assert elapsed < 60, f"the request took {elapsed:.1f}s"
