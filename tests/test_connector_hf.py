@@ -115,17 +115,19 @@ def tier_config(tier: str, tmp_path: Path, request, monkeypatch, codec: str = "i
     return StoreConfig(dram=dram, disk={"enabled": False}, s3=s3)
 
 
-def cache_the_first_request(sc: Scenario, config: StoreConfig) -> None:
+def cache_the_first_request(sc: Scenario, config: StoreConfig, kv_dtype: torch.dtype | None = None) -> None:
     """What the engine's first request leaves behind: the document's chunks in every tier of ``config``."""
-    with SyncKVStore(config, layout_for_model(sc.model), namespace=NAMESPACE) as store:
+    with SyncKVStore(config, layout_for_model(sc.model, dtype=kv_dtype), namespace=NAMESPACE) as store:
         saved = HFConnector(sc.model, store).save(sc.first[0], sc.first_cache, start_chunk=0)
         assert saved == DOCUMENT_TOKENS // 256
         store.flush()
 
 
-def serve(sc: Scenario, config: StoreConfig, prompt: torch.Tensor) -> tuple[Reply, dict]:
+def serve(
+    sc: Scenario, config: StoreConfig, prompt: torch.Tensor, kv_dtype: torch.dtype | None = None
+) -> tuple[Reply, dict]:
     """One request through a fresh store (empty DRAM): its prefix must come from the tier."""
-    with SyncKVStore(config, layout_for_model(sc.model), namespace=NAMESPACE) as store:
+    with SyncKVStore(config, layout_for_model(sc.model, dtype=kv_dtype), namespace=NAMESPACE) as store:
         connector = HFConnector(sc.model, store)
         with torch.inference_mode():
             output = connector.generate(prompt, save=False, **GREEDY)
@@ -209,22 +211,29 @@ def test_a_corrupt_chunk_is_recomputed_and_counted(scenario, tmp_path, request, 
     assert path.exists() and path.read_bytes() != bytes(data), "the corrupt file was replaced by a good one"
 
 
-@pytest.mark.parametrize("tier,codec", [("disk", "fp8"), ("redis", "fp8+zstd")])
-def test_fp8_effect_on_the_reply_is_measured(scenario, tmp_path, request, monkeypatch, capsys, tier, codec):
-    """Lossy KV: report how many greedy tokens survive and how far the logits move."""
+@pytest.mark.parametrize(
+    "tier,codec,kv_dtype",
+    [("disk", "fp8", None), ("redis", "fp8+zstd", None), ("disk", "identity", torch.bfloat16)],
+    ids=["disk-fp8", "redis-fp8+zstd", "disk-bf16-kv"],
+)
+def test_lossy_kv_effect_on_the_reply_is_measured(
+    scenario, tmp_path, request, monkeypatch, capsys, tier, codec, kv_dtype
+):
+    """Lossy KV (fp8 codecs; bf16 KV under the float32 model, cast on load): report how many
+    greedy tokens survive and how far the logits move."""
     config = tier_config(tier, tmp_path, request, monkeypatch, codec)
-    cache_the_first_request(scenario, config)
-    reply, stats = serve(scenario, config, scenario.second)
+    cache_the_first_request(scenario, config, kv_dtype)
+    reply, stats = serve(scenario, config, scenario.second, kv_dtype)
     tokens, first_step, until_divergence = agreement(reply, scenario.second_reference)
     with capsys.disabled():
         print(
-            f"\n[hf {tier} {codec}] the first {tokens} of {len(scenario.second_reference.tokens)} greedy tokens "
-            "equal the recompute's; "
-            f"max |logit diff| at the first token {first_step:.3f}, until the first divergence {until_divergence:.3f}"
+            f"\n[hf {tier} {codec} {kv_dtype or 'model dtype'}] the first {tokens} of "
+            f"{len(scenario.second_reference.tokens)} greedy tokens equal the recompute's; max |logit diff| "
+            f"at the first token {first_step:.3f}, until the first divergence {until_divergence:.3f}"
         )
     assert stats["connector"]["reused_tokens"] == DOCUMENT_TOKENS and stats["connector"]["fallbacks"] == 0
-    assert first_step > 0, "fp8 is lossy: bit-identical logits would mean the codec was not applied"
-    assert reply.tokens[0] == scenario.second_reference.tokens[0], "the first token survives fp8 KV"
+    assert first_step > 0, "lossy KV: bit-identical logits would mean it was not applied"
+    assert reply.tokens[0] == scenario.second_reference.tokens[0], "the first token survives"
     cosine = torch.nn.functional.cosine_similarity(reply.logits[0], scenario.second_reference.logits[0], dim=0)
     assert cosine > 0.99, f"first-token logits drifted: cosine {cosine:.4f}"
 
@@ -277,3 +286,19 @@ def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario
     assert stats["connector"]["fallbacks"] == 1 and stats["redis"]["timeouts"] >= 1
     # The frozen server cost about its 1 s timeout, on top of a full recompute and the 31 decode steps.
     assert elapsed < 60, f"the request took {elapsed:.1f}s"
+
+
+def test_a_cache_reshaped_before_the_forward_pass_loads_first(scenario, tmp_path, request, monkeypatch):
+    """crop() on a cache still waiting for its prefix fills the layers, then crops: the request
+    recomputes the cropped tokens and the reply stays exact."""
+    config = tier_config("disk", tmp_path, request, monkeypatch)
+    cache_the_first_request(scenario, config)
+    with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
+        prefix = HFConnector(scenario.model, store).load(scenario.second)
+        assert prefix.reused_tokens == DOCUMENT_TOKENS and not prefix.complete
+        prefix.cache.crop(-100)
+        assert prefix.complete and prefix.cache.get_seq_length() == DOCUMENT_TOKENS - 100
+        with torch.inference_mode():
+            output = scenario.model.generate(scenario.second, past_key_values=prefix.cache, **GREEDY)
+    tokens, _, until_divergence = agreement(reply_of(output, scenario.second.shape[1]), scenario.second_reference)
+    assert tokens == len(scenario.second_reference.tokens) and until_divergence < 1e-4
