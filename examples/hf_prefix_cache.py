@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -165,7 +166,13 @@ def load_time(connector: HFConnector, prompt: torch.Tensor) -> float:
 
 
 def measure(
-    connector: HFConnector, prompt: torch.Tensor, n_tokens: int, tier: str, recompute: float, repeats: int, before=None
+    connector: HFConnector,
+    prompt: torch.Tensor,
+    n_tokens: int,
+    tier: str,
+    recompute: float,
+    repeats: int,
+    before: Callable[[], None] | None = None,
 ) -> Row:
     """Best time to first token of ``repeats`` requests whose prefix comes from ``tier``, and its load alone."""
     best: Row | None = None

@@ -80,8 +80,3 @@ def question_ids(tokenizer: Any, record: int) -> list[int]:
     return tokenizer(
         f"\nQuestion: where did the person of Record {record} move, and what did they open?\nAnswer:"
     ).input_ids
-
-
-def prompt_ids(tokenizer: Any, n_document: int, record: int = 2, seed: int = 0) -> torch.Tensor:
-    """``[1, tokens]``: a document of ``n_document`` tokens, then a question about it."""
-    return torch.tensor([document_ids(tokenizer, n_document, seed) + question_ids(tokenizer, record)])

@@ -466,7 +466,7 @@ class LayerReader:
         only make the consumer wait longer for its first layer, on a server where a round
         trip is cheap (Redis here: one layer a request measured best; S3 gains ~3x from spans).
         """
-        if self._file is not None or layer in self._fetched:
+        if layer in self._fetched:
             return 0
         per_request = self.tier.backend.range_request_bytes
         cap = max(1, per_request // max(1, self.header.segments[layer].stored_len)) - 1

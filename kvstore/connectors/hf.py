@@ -23,7 +23,6 @@ fingerprint only tells shapes and dtypes apart, not two models that share them.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -84,8 +83,7 @@ class LoadedPrefix:
         self.buffers: list[torch.Tensor] = []  # per layer [planes, 1, heads, prompt_tokens, dim], if in place
         self._stream: SyncLayerStream | None = None
         self._wait_timeout: float | None = None
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._pending = 0  # layers still waiting for their part of the prefix (engine thread only)
 
     def start(self, store: SyncKVStore, wait_timeout: float) -> None:
         """Start streaming the prefix; every layer of the cache waits for its own part of it.
@@ -131,10 +129,8 @@ class LoadedPrefix:
 
     def layer_done(self, index: int) -> None:
         """Layer ``index`` is in the cache; after the last one, the stream is released."""
-        with self._lock:
-            self._pending -= 1
-            finished = self._pending == 0
-        if finished:
+        self._pending -= 1
+        if self._pending == 0:
             self.close()
 
     def close(self) -> None:
@@ -304,11 +300,13 @@ class HFConnector:
         tokens whose KV the cache holds, in order (the prompt, or prompt and reply for the next turn).
         """
         tokens = _prompt_tokens(token_ids)
-        keys = self.store.chunk_keys(tokens, self.extra)
+        return self._save(self.store.chunk_keys(tokens, self.extra), len(tokens), cache, start_chunk)
+
+    def _save(self, keys: list[ChunkKey], n_tokens: int, cache: DynamicCache, start_chunk: int | None) -> int:
         if any(getattr(layer, "pending", False) for layer in cache.layers):
             raise ValueError("the cache still waits for prefix layers: run the forward pass before saving")
         size = self.layout.chunk_tokens
-        held = min(cache.get_seq_length(), len(tokens)) // size
+        held = min(cache.get_seq_length(), n_tokens) // size
         first = self.store.lookup(keys) if start_chunk is None else start_chunk
         if self._staging is None:
             self._staging = torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
@@ -353,7 +351,7 @@ class HFConnector:
         self.counters["loaded_chunks"] += prefix.chunks
         self.counters["load_wait_seconds"] += prefix.waited
         if save:
-            self.save(tokens, prefix.cache, start_chunk=start_chunk)
+            self._save(prefix.keys, len(tokens), prefix.cache, start_chunk)  # keys hashed once per request
         return output
 
     def stats(self) -> dict[str, Any]:
