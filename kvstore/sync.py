@@ -8,6 +8,7 @@ to slower tiers continue on the loop thread while the engine goes on.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
@@ -55,6 +56,12 @@ class SyncKVStore:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         return self._call(self.store.lookup(keys))
+
+    def lookup_future(self, keys: Sequence[ChunkKey]) -> concurrent.futures.Future[int]:
+        """``lookup`` without waiting: for callers that must not block (an engine's scheduler)."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            raise StoreClosedError("the SyncKVStore is closed")
+        return asyncio.run_coroutine_threadsafe(self.store.lookup(keys), self._loop)
 
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._call(self.store.get(key, out))

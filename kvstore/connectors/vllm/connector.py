@@ -1,0 +1,403 @@
+"""KVStoreConnector: vLLM's KV connector API over a kvstore, with layer-by-layer loads and saves.
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore.connectors.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kvstore_config": {"disk": {"path": "/nvme/kv"}}}}'
+
+Scheduler side: a new request's prompt is cut into chunks, their keys looked up in the store
+(without blocking the scheduler: it answers "ask again" until the lookup is back), and vLLM is
+told how many tokens beyond its own prefix cache will be loaded. Worker side: each load is a
+layer stream (``store.prefetch``) started before the forward pass; layer i is copied into the
+paged blocks when the attention of layer i asks for it, so later layers keep arriving while
+earlier ones compute. A prompt chunk whose tokens have all been computed is gathered layer by
+layer after each attention call and put into the store at the end of the step (a copy into
+kvstore's DRAM; disk, Redis and S3 follow in the background).
+
+A chunk that cannot be loaded (corrupt, vanished, a tier timing out) is reported through
+``get_block_ids_with_load_errors``: vLLM recomputes those tokens instead of using bad blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvstore.config import ConfigError
+from kvstore.connectors.paged import BACKEND_FORMATS, PagedLayer
+from kvstore.connectors.vllm._common import read_options, shared_stores
+from kvstore.keys import ChunkKey
+from kvstore.layout import KVLayout
+from kvstore.prefetch import PrefetchError
+from kvstore.sync import SyncLayerStream
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvstore.connectors.vllm")
+
+
+def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
+    """The :class:`KVLayout` of the served model's KV cache; refuses what this connector cannot store."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise ConfigError(
+            "kvstore's vLLM integrations support one worker for now (tensor_parallel_size and "
+            "pipeline_parallel_size 1); run without parallelism or without kvstore"
+        )
+    if model.use_mla:
+        raise ConfigError("kvstore's vLLM integrations do not support MLA models yet")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ConfigError(
+            f"kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is not supported by kvstore's vLLM "
+            "connector; use --kv-cache-dtype auto (kvstore's fp8 codecs can still compress what it stores)"
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size and chunk_tokens % block_size:
+        raise ConfigError(
+            f"kvstore_chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size ({block_size}); "
+            "change one of them (e.g. --block-size 16, or kvstore_chunk_tokens 256)"
+        )
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_total_num_kv_heads(),
+        head_dim=model.get_head_size(),
+        dtype=model.dtype,
+        chunk_tokens=chunk_tokens,
+    )
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks ``keys`` and write their tokens from ``skip`` on into ``block_ids``."""
+
+    req_id: str
+    keys: list[ChunkKey]
+    skip: int  # tokens of the first chunk that vLLM already has (its own prefix cache)
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Gather ``block_ids`` (one chunk's worth, in order) and put them as chunk ``key``."""
+
+    req_id: str
+    key: ChunkKey
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    keys: list[ChunkKey]  # one per full chunk of the prompt
+    prompt_tokens: int
+    lookup: concurrent.futures.Future[int] | None = None
+    local_tokens: int = 0  # what vLLM's own prefix cache had, as last told
+    next_save: int = 0  # chunks before this one are in the store or queued for it
+    block_ids: list[int] = field(default_factory=list)
+    load: LoadSpec | None = None  # to send to the worker with the next step
+    loading: tuple[int, set[int]] | None = None  # (first chunk, blocks) of the load planned
+
+
+@dataclass
+class _ActiveLoad:
+    spec: LoadSpec
+    stream: SyncLayerStream
+    block_ids: torch.Tensor
+    failed: bool = False
+    layers_done: int = 0
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM KV connector with kvstore's DRAM primary tier and its disk, Redis and S3 tiers below."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        model = vllm_config.model_config
+        options = read_options(transfer.kv_connector_extra_config or {}, f"vllm:{model.model}")
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            raise ConfigError("kvstore's KVStoreConnector supports models with one KV cache group (no hybrid models)")
+        if transfer.kv_load_failure_policy != "recompute":
+            # A cache that fails requests on a bad chunk is worse than no cache: kvstore's promise
+            # is that a corrupt or missing chunk costs a recompute, never an error or wrong KV.
+            log.warning(
+                "kvstore: setting kv_load_failure_policy to 'recompute' (a chunk that fails to load is recomputed)"
+            )
+            transfer.kv_load_failure_policy = "recompute"
+        self.layout = layout_for_vllm(vllm_config, options.chunk_tokens)
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = options.chunk_tokens
+        self.prefetch_depth = options.prefetch_depth
+        self.store = shared_stores.acquire(options, self.layout)
+        timeouts = self.store.store.config.timeouts
+        self.wait_timeout = (len(self.store.store.tiers) + 2) * timeouts.get
+        self.counters = {
+            "lookups": 0,
+            "lookup_errors": 0,
+            "hit_tokens": 0,
+            "loaded_chunks": 0,
+            "load_failures": 0,
+            "failed_blocks": 0,
+            "saved_chunks": 0,
+            "save_rejected": 0,
+        }
+        # scheduler side
+        self._requests: dict[str, _Request] = {}
+        # worker side
+        self._layers: list[PagedLayer] = []
+        self._layer_index: dict[str, int] = {}
+        self._loads: list[_ActiveLoad] = []
+        self._staging: dict[ChunkKey, torch.Tensor] = {}
+        self._failed_blocks: set[int] = set()
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            tokens = list(request.prompt_token_ids or [])
+            state = _Request(keys=self.store.chunk_keys(tokens), prompt_tokens=len(tokens))
+            self._requests[request.request_id] = state
+        state.local_tokens = num_computed_tokens
+        # At least one prompt token must be computed: it yields the first output token.
+        usable = min(len(state.keys), (state.prompt_tokens - 1) // self.chunk_tokens)
+        if usable * self.chunk_tokens <= num_computed_tokens:
+            return 0, False
+        if state.lookup is None:
+            self.counters["lookups"] += 1
+            state.lookup = self.store.lookup_future(state.keys[:usable])
+        if not state.lookup.done():
+            return None, False  # vLLM asks again next step; the scheduler never waits on I/O
+        try:
+            found = state.lookup.result()
+        except Exception as exc:
+            self.counters["lookup_errors"] += 1
+            log.warning("kvstore lookup failed (the prompt is computed instead): %r", exc)
+            found = 0
+        state.next_save = max(state.next_save, found)
+        matched = min(found, usable) * self.chunk_tokens
+        return max(0, matched - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.lookup = None  # a later call (after a preemption) looks up again
+        if num_external_tokens <= 0:
+            return
+        start, end = state.local_tokens, state.local_tokens + num_external_tokens
+        first_chunk = start // self.chunk_tokens
+        block_ids = blocks.get_block_ids()[0]
+        state.load = LoadSpec(
+            req_id=request.request_id,
+            keys=state.keys[first_chunk : end // self.chunk_tokens],
+            skip=start - first_chunk * self.chunk_tokens,
+            block_ids=list(block_ids[start // self.block_size : end // self.block_size]),
+        )
+        state.loading = (first_chunk, set(state.load.block_ids))
+        self.counters["hit_tokens"] += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        progress: list[tuple[str, int]] = []  # (request, tokens computed once this step ends)
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if state.load is not None:
+                meta.loads.append(state.load)
+                state.load = None
+            progress.append((new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            progress.append((req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]))
+        per_chunk = self.chunk_tokens // self.block_size
+        for req_id, computed in progress:
+            state = self._requests[req_id]
+            done = min(computed, state.prompt_tokens) // self.chunk_tokens
+            for chunk in range(state.next_save, done):
+                blocks = state.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+                if len(blocks) == per_chunk:
+                    meta.saves.append(SaveSpec(req_id, state.keys[chunk], blocks))
+            state.next_save = max(state.next_save, done)
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A load that failed is recomputed by vLLM: its chunks are saved again once they are."""
+        failed = connector_output.invalid_block_ids
+        if not failed:
+            return
+        for state in self._requests.values():
+            if state.loading is not None and state.loading[1] & failed:
+                state.next_save = min(state.next_save, state.loading[0])
+                state.loading = None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves are copied into kvstore's DRAM within the step: blocks may be freed
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = self.layout
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != layout.num_layers:
+            raise ConfigError(
+                f"vLLM registered {len(names)} KV cache layers, the model config says {layout.num_layers}"
+            )
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        for index, name in enumerate(names):
+            backend = forward_context[name].attn_backend.get_name()
+            if backend not in BACKEND_FORMATS:
+                raise ConfigError(
+                    f"attention backend {backend} is not supported by KVStoreConnector yet; "
+                    f"supported: {', '.join(sorted(BACKEND_FORMATS))}"
+                )
+            kv = kv_caches[name]
+            if kv.dtype != layout.dtype:
+                raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
+            layer = PagedLayer(kv, BACKEND_FORMATS[backend], layout.head_dim)
+            if layer.heads != layout.num_kv_heads or layer.block_size != self.block_size:
+                raise ConfigError(
+                    f"layer {name}'s KV cache has {layer.heads} heads and blocks of {layer.block_size} tokens; "
+                    f"expected {layout.num_kv_heads} heads and blocks of {self.block_size}"
+                )
+            self._layers.append(layer)
+            self._layer_index[name] = index
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for spec in meta.loads:
+            stream = self.store.prefetch(spec.keys, depth=self.prefetch_depth)
+            self._loads.append(_ActiveLoad(spec, stream, torch.tensor(spec.block_ids, dtype=torch.long)))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        layer = self._layers[index]
+        for load in self._loads:
+            if load.failed or load.layers_done != index:
+                continue
+            try:
+                kv = load.stream.wait_layer(index, self.wait_timeout)
+                rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
+                layer.scatter(load.block_ids, kv[:, rows])
+                load.layers_done += 1
+            except (PrefetchError, TimeoutError) as exc:
+                self._fail(load, f"layer {index}: {exc}")
+        self._finish_loads(complete_only=True)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        layer = self._layers[index]
+        for spec in meta.saves:
+            chunk = self._staging.get(spec.key)
+            if chunk is None:
+                chunk = self._staging[spec.key] = torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
+            layer.gather(torch.tensor(spec.block_ids, dtype=torch.long), chunk[index])
+
+    def wait_for_save(self) -> None:
+        # Loads the forward pass did not take every layer of (it cannot have used them) are failures.
+        for load in self._loads:
+            if not load.failed and load.layers_done < self.layout.num_layers:
+                self._fail(load, f"only {load.layers_done} of {self.layout.num_layers} layers were taken")
+        self._finish_loads(complete_only=False)
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for spec in meta.saves:
+            chunk = self._staging.pop(spec.key, None)
+            if chunk is None:
+                continue  # no attention layer ran this step (nothing computed for it)
+            if self.store.put(spec.key, chunk):
+                self.counters["saved_chunks"] += 1
+            else:
+                self.counters["save_rejected"] += 1
+        self._staging.clear()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _fail(self, load: _ActiveLoad, reason: str) -> None:
+        load.failed = True
+        self.counters["load_failures"] += 1
+        self.counters["failed_blocks"] += len(load.spec.block_ids)
+        self._failed_blocks.update(load.spec.block_ids)
+        log.warning(
+            "kvstore: request %s's cached prefix failed to load (%s); vLLM recomputes it", load.spec.req_id, reason
+        )
+
+    def _finish_loads(self, complete_only: bool) -> None:
+        keep: list[_ActiveLoad] = []
+        for load in self._loads:
+            finished = load.failed or load.layers_done == self.layout.num_layers
+            if complete_only and not finished:
+                keep.append(load)
+                continue
+            if not load.failed:
+                self.counters["loaded_chunks"] += len(load.spec.keys)
+            try:
+                load.stream.close()
+            except Exception as exc:  # closing must not turn a finished load into an engine error
+                log.debug("kvstore: closing a layer stream failed: %r", exc)
+        self._loads = keep
+
+    # -- both sides --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """This connector's counters, and the store's (``store.stats()``)."""
+        return {"connector": dict(self.counters), **self.store.stats()}
+
+    def shutdown(self) -> None:
+        for load in self._loads:
+            load.failed = True
+        self._finish_loads(complete_only=False)
+        store, self.store = self.store, None  # type: ignore[assignment]
+        if store is not None:
+            shared_stores.release(store)

@@ -1,0 +1,114 @@
+"""Build a tiny, deterministic LlamaForCausalLM + locally-trained tokenizer.
+
+The result is a plain HF model directory that vLLM (CPU build) can load fully
+offline.  Runs under the vLLM venv (transformers 5.x, tokenizers 0.2x).
+
+Choices forced by the vLLM CPU attention backend (CPU_ATTN):
+  * head_dim must be one of 32, 64, 80, ... (16 is NOT supported), so we use
+    hidden 128 = 4 heads x head_dim 32, with 2 KV heads (GQA).
+  * dtype: weights saved as float32 (the vLLM CPU backend also runs
+    bfloat16 and float16; we load with dtype="float32" for bit-stable greedy
+    outputs).
+
+Usage:  python tiny_llama.py /path/to/model_dir
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+VOCAB_SIZE = 512
+MAX_POS = 4096
+
+
+def _corpus() -> list[str]:
+    import random
+
+    rng = random.Random(1234)
+    words = (
+        "the a one two three four five six seven eight nine ten key value "
+        "cache block token layer head store load tier chunk prefix hash "
+        "memory disk remote local fast slow red green blue cat dog bird fish "
+        "runs jumps sees eats reads writes and or but if then else when while"
+    ).split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) for _ in range(2000)]
+
+
+def _make_tokenizer(path: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=MAX_POS,
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_tiny_llama(path: str) -> str:
+    """Create (idempotently) a tiny Llama model dir at ``path``; return path."""
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _make_tokenizer(path)
+    # BPE may stop below VOCAB_SIZE; size the embedding to the real vocab so
+    # every id the model can emit is decodable.
+    vocab = len(tokenizer)
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default init so greedy outputs depend on the context
+    # (makes "identical output after KV reload" a meaningful check).
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model = model.to(torch.float32)
+    model.save_pretrained(path)  # safetensors by default
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: tiny_llama.py PATH", file=sys.stderr)
+        sys.exit(2)
+    print(make_tiny_llama(sys.argv[1]))
