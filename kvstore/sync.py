@@ -40,13 +40,10 @@ class SyncKVStore:
         return await KVStore(config, layout, namespace, **kwargs).open()
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        if self._loop.is_closed() or not self._thread.is_alive():
-            coroutine.close()
-            raise StoreClosedError("the SyncKVStore is closed")
         if threading.current_thread() is self._thread:
             coroutine.close()
             raise RuntimeError("SyncKVStore methods cannot be called from its own event-loop thread")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        return self.submit(coroutine).result(timeout)
 
     def chunk_keys(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[ChunkKey]:
         return self.store.chunk_keys(token_ids, extra)
@@ -59,9 +56,14 @@ class SyncKVStore:
 
     def lookup_future(self, keys: Sequence[ChunkKey]) -> concurrent.futures.Future[int]:
         """``lookup`` without waiting: for callers that must not block (an engine's scheduler)."""
+        return self.submit(self.store.lookup(keys))
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine (using ``self.store``) on the store's loop without waiting for it."""
         if self._loop.is_closed() or not self._thread.is_alive():
+            coroutine.close()
             raise StoreClosedError("the SyncKVStore is closed")
-        return asyncio.run_coroutine_threadsafe(self.store.lookup(keys), self._loop)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._call(self.store.get(key, out))

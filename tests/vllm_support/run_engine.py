@@ -17,22 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import sys
 import time
 from typing import Any
+
+from prompts import prompt
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-VOCAB = 400  # the tiny Llama's tokenizer has a few more; stay below
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, VOCAB) for _ in range(length)]
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -49,7 +42,6 @@ def build_llm(args: argparse.Namespace) -> Any:
             kv_connector_extra_config=extra,
         )
     else:
-        sys.path.insert(0, os.path.dirname(__file__))
         transfer = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
@@ -64,14 +56,36 @@ def build_llm(args: argparse.Namespace) -> Any:
     )
 
 
-def connector_stats(llm: Any) -> dict[str, Any]:
+def scheduler_connector(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def kvstore_tier(llm: Any) -> Any:
+    """The KVStoreTier among the secondary tiers of vLLM's tiering manager (scheduler side)."""
+    manager = scheduler_connector(llm).connector_scheduler.manager
+    return next(tier for tier in manager.secondary_tiers if type(tier).__name__ == "KVStoreTier")
+
+
+def report_stats(llm: Any, mode: str) -> dict[str, Any]:
+    if mode == "tier":
+        return kvstore_tier(llm).stats()
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group()
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    stats = worker.stats()
-    stats["scheduler"] = dict(scheduler.counters)
+    stats = get_kv_transfer_group().stats()  # the worker side, and the store both sides share
+    stats["scheduler"] = dict(scheduler_connector(llm).counters)
     return stats
+
+
+def flush(llm: Any, mode: str) -> None:
+    """Wait until kvstore's writes have reached every tier (the tier: once vLLM has cascaded to it)."""
+    if mode == "connector":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group().store.flush(timeout=60)
+        return
+    tier = kvstore_tier(llm)
+    tier.drain_jobs()
+    tier.store.flush(timeout=60)
 
 
 def main() -> None:
@@ -94,14 +108,12 @@ def main() -> None:
     llm = build_llm(args)
     report: dict[str, Any] = {"startup_s": time.perf_counter() - started, "runs": []}
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = {"gen": prompt(args.prompt_seed, args.prompt_tokens), "other": prompt(args.prompt_seed + 1000, 700)}
+    prompts = {"gen": prompt(args.prompt_seed, args.prompt_tokens), "other": prompt(args.prompt_seed + 1000, 1000)}
     for step in args.steps.split(","):
         if step == "reset":
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         elif step == "flush":
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            get_kv_transfer_group().store.flush(timeout=60)
+            flush(llm, args.mode)
         elif step in prompts:
             begin = time.perf_counter()
             output = llm.generate([TokensPrompt(prompt_token_ids=prompts[step])], sampling, use_tqdm=False)[0]
@@ -115,7 +127,7 @@ def main() -> None:
             )
         else:
             raise SystemExit(f"unknown step {step!r}")
-    report["stats"] = connector_stats(llm) if args.mode == "connector" else {}
+    report["stats"] = report_stats(llm, args.mode)
     with open(args.out, "w") as f:
         json.dump(report, f, default=str)
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None

@@ -15,5 +15,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from kvstore.connectors.vllm.connector import KVStoreConnector, KVStoreConnectorMetadata
+from kvstore.connectors.vllm.tier import KVStoreTier
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreTier"]

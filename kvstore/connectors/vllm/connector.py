@@ -21,6 +21,7 @@ A chunk that cannot be loaded (corrupt, vanished, a tier timing out) is reported
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvstore.config import ConfigError
-from kvstore.connectors.paged import BACKEND_FORMATS, PagedLayer
+from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer, paged_format
 from kvstore.connectors.vllm._common import read_options, shared_stores
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -82,6 +83,28 @@ def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
         dtype=model.dtype,
         chunk_tokens=chunk_tokens,
     )
+
+
+def expected_paged_format(vllm_config: VllmConfig) -> tuple[PagedFormat, str]:
+    """How this engine's attention kernels will lay out blocks (format, and a tag naming the kernels).
+
+    Known on the scheduler side too, where there is no model: chunks in a non-canonical format
+    get keys of their own (see :mod:`kvstore.connectors.paged`). The worker checks it against
+    the real layers when it registers its caches.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "kv_split", "gpu"
+    isa: str | None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        config = vllm_config.model_config
+        isa = _get_attn_isa(config.dtype, vllm_config.cache_config.block_size, config.get_head_size())
+    except Exception:  # a vLLM without this helper: the worker's check names what it found
+        isa = None
+    return paged_format("CPU_ATTN", isa), f"CPU_ATTN/{isa}"
 
 
 @dataclass
@@ -150,6 +173,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
             transfer.kv_load_failure_policy = "recompute"
         self.layout = layout_for_vllm(vllm_config, options.chunk_tokens)
+        self.paged_format, self.kernels = expected_paged_format(vllm_config)
+        if self.paged_format not in CANONICAL_FORMATS:
+            # Raw block bytes of kernels kvstore cannot read as K and V: never mixed with canonical chunks.
+            options = dataclasses.replace(options, namespace=f"{options.namespace}#paged={self.kernels}")
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = options.chunk_tokens
         self.prefetch_depth = options.prefetch_depth
@@ -283,16 +310,19 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
         forward_context = self._vllm_config.compilation_config.static_forward_context
         for index, name in enumerate(names):
-            backend = forward_context[name].attn_backend.get_name()
-            if backend not in BACKEND_FORMATS:
+            attention = forward_context[name]
+            backend, isa = attention.attn_backend.get_name(), getattr(attention, "isa", None)
+            fmt = paged_format(backend, isa)
+            if fmt != self.paged_format or (fmt == "opaque" and f"{backend}/{isa}" != self.kernels):
                 raise ConfigError(
-                    f"attention backend {backend} is not supported by KVStoreConnector yet; "
-                    f"supported: {', '.join(sorted(BACKEND_FORMATS))}"
+                    f"layer {name} uses attention backend {backend} (kernels {isa}), whose blocks kvstore reads as "
+                    f"{fmt!r}; the scheduler expected {self.paged_format!r} ({self.kernels}). Please report this "
+                    "with your vLLM version and --attention-backend"
                 )
             kv = kv_caches[name]
             if kv.dtype != layout.dtype:
                 raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
-            layer = PagedLayer(kv, BACKEND_FORMATS[backend], layout.head_dim)
+            layer = PagedLayer(kv, fmt, layout.head_dim)
             if layer.heads != layout.num_kv_heads or layer.block_size != self.block_size:
                 raise ConfigError(
                     f"layer {name}'s KV cache has {layer.heads} heads and blocks of {layer.block_size} tokens; "

