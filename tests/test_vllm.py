@@ -247,6 +247,7 @@ def test_tier_a_fresh_engine_loads_every_chunk_from_kvstore(vllm_python, tiny_ll
     assert run["tokens"] == first["runs"][0]["tokens"]
     assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
     assert stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS
+    assert stats["tier"]["lookup_retries"] >= 1  # vLLM's scheduler was answered RETRY, never kept waiting
     assert stats["disk"]["hits"] == REUSABLE_CHUNKS and stats["disk"]["corrupt"] == 0
 
 
@@ -254,13 +255,31 @@ def test_tier_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python, tin
     extra = tier_extra(tier_disk(tmp_path / "disk"))
     first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
     assert corrupt_every_file(tmp_path / "disk") == REUSABLE_CHUNKS
-    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
     run, stats = fresh["runs"][0], fresh["stats"]
     print("tier after corruption", json.dumps(stats))
     assert run["tokens"] == first["runs"][0]["tokens"]
     assert stats["tier"]["load_failures"] == REUSABLE_CHUNKS and stats["tier"]["loaded_chunks"] == 0
     assert stats["disk"]["corrupt"] == REUSABLE_CHUNKS
     assert stats["tier"]["stored_chunks"] == REUSABLE_CHUNKS  # recomputed, and cascaded to kvstore again
+
+
+def test_tier_one_corrupt_chunk_fails_alone_and_the_others_load(vllm_python, tiny_llama, tmp_path):
+    """A promotion job with one bad chunk reports the good ones (successful_keys); vLLM uses what
+    precedes the bad chunk in the prompt and recomputes from there."""
+    extra = tier_extra(tier_disk(tmp_path / "disk"))
+    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
+    victim = sorted(p for p in (tmp_path / "disk").rglob("*") if p.is_file() and p.stat().st_size > 4096)[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
+    run, stats = fresh["runs"][0], fresh["stats"]
+    print("tier after one corrupt chunk", json.dumps(stats))
+    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert stats["tier"]["load_failures"] == 1 and stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS - 1
+    assert stats["tier"]["partial_loads"] == 1
+    assert stats["disk"]["corrupt"] == 1
 
 
 def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp_path, redis_server):

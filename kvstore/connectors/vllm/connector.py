@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvstore.connectors.vllm")
+SPARE_CHUNKS = 8  # staging buffers kept between steps (a long prefill step may need more, briefly)
 
 
 def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
@@ -107,6 +108,21 @@ def expected_paged_format(vllm_config: VllmConfig) -> tuple[PagedFormat, str]:
     return paged_format("CPU_ATTN", isa), f"CPU_ATTN/{isa}"
 
 
+def request_extra(request: Request) -> bytes | None:
+    """What changes a request's KV besides its tokens: LoRA adapter, images and the like, cache salt.
+
+    Folded into every chunk key of the request (kvstore's ``extra``): two requests share chunks
+    only if all of these are equal too.
+    """
+    parts: list[str] = []
+    if request.lora_request is not None:
+        parts.append(f"lora={request.lora_request.lora_name}#{request.lora_request.lora_int_id}")
+    parts.extend(f"mm={feature.identifier}" for feature in request.mm_features)
+    if request.cache_salt:
+        parts.append(f"salt={request.cache_salt}")
+    return "\n".join(parts).encode() if parts else None
+
+
 @dataclass
 class LoadSpec:
     """Load chunks ``keys`` and write their tokens from ``skip`` on into ``block_ids``."""
@@ -139,6 +155,7 @@ class _Request:
     keys: list[ChunkKey]  # one per full chunk of the prompt
     prompt_tokens: int
     lookup: concurrent.futures.Future[int] | None = None
+    found: int | None = None  # leading chunks the store holds, once the lookup is back
     local_tokens: int = 0  # what vLLM's own prefix cache had, as last told
     next_save: int = 0  # chunks before this one are in the store or queued for it
     block_ids: list[int] = field(default_factory=list)
@@ -199,7 +216,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
         self._loads: list[_ActiveLoad] = []
-        self._staging: dict[ChunkKey, torch.Tensor] = {}
+        self._staging: dict[ChunkKey, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (block ids, chunk)
+        self._spare_chunks: list[torch.Tensor] = []  # staging buffers, reused: fresh ones pay page faults
         self._failed_blocks: set[int] = set()
 
     # -- scheduler side ----------------------------------------------------------------------
@@ -207,35 +225,39 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
-            tokens = list(request.prompt_token_ids or [])
-            state = _Request(keys=self.store.chunk_keys(tokens), prompt_tokens=len(tokens))
+            tokens = list(request.prompt_token_ids or [])  # none for prompt embeddings: nothing to key
+            state = _Request(keys=self.store.chunk_keys(tokens, request_extra(request)), prompt_tokens=len(tokens))
             self._requests[request.request_id] = state
         state.local_tokens = num_computed_tokens
+        if state.lookup is None and state.keys:
+            # Every full chunk, even one vLLM has itself: the answer also tells what not to save again.
+            self.counters["lookups"] += 1
+            state.lookup = self.store.lookup_future(state.keys)
         # At least one prompt token must be computed: it yields the first output token.
         usable = min(len(state.keys), (state.prompt_tokens - 1) // self.chunk_tokens)
         if usable * self.chunk_tokens <= num_computed_tokens:
-            return 0, False
-        if state.lookup is None:
-            self.counters["lookups"] += 1
-            state.lookup = self.store.lookup_future(state.keys[:usable])
-        if not state.lookup.done():
+            return 0, False  # nothing to load beyond vLLM's own cache (the lookup goes on, for saves)
+        found = self._found(state)
+        if found is None:
             return None, False  # vLLM asks again next step; the scheduler never waits on I/O
-        try:
-            found = state.lookup.result()
-        except Exception as exc:
-            self.counters["lookup_errors"] += 1
-            log.warning("kvstore lookup failed (the prompt is computed instead): %r", exc)
-            found = 0
-        state.next_save = max(state.next_save, found)
         matched = min(found, usable) * self.chunk_tokens
         return max(0, matched - num_computed_tokens), False
 
+    def _found(self, state: _Request) -> int | None:
+        """The lookup's answer (None while it is out); a failed lookup is a miss."""
+        if state.found is None and state.lookup is not None and state.lookup.done():
+            try:
+                state.found = state.lookup.result()
+            except Exception as exc:
+                self.counters["lookup_errors"] += 1
+                log.warning("kvstore lookup failed (the prompt is computed instead): %r", exc)
+                state.found = 0
+            state.next_save = max(state.next_save, state.found)
+        return state.found
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
-        if state is None:
-            return
-        state.lookup = None  # a later call (after a preemption) looks up again
-        if num_external_tokens <= 0:
+        if state is None or num_external_tokens <= 0:
             return
         start, end = state.local_tokens, state.local_tokens + num_external_tokens
         first_chunk = start // self.chunk_tokens
@@ -275,6 +297,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         per_chunk = self.chunk_tokens // self.block_size
         for req_id, computed in progress:
             state = self._requests[req_id]
+            self._found(state)  # chunks the store already holds are not saved again
             done = min(computed, state.prompt_tokens) // self.chunk_tokens
             for chunk in range(state.next_save, done):
                 blocks = state.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
@@ -365,10 +388,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata)
         layer = self._layers[index]
         for spec in meta.saves:
-            chunk = self._staging.get(spec.key)
-            if chunk is None:
-                chunk = self._staging[spec.key] = torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
-            layer.gather(torch.tensor(spec.block_ids, dtype=torch.long), chunk[index])
+            staged = self._staging.get(spec.key)
+            if staged is None:
+                chunk = self._spare_chunks.pop() if self._spare_chunks else self._new_chunk()
+                staged = self._staging[spec.key] = (torch.tensor(spec.block_ids, dtype=torch.long), chunk)
+            block_ids, chunk = staged
+            layer.gather(block_ids, chunk[index])
+
+    def _new_chunk(self) -> torch.Tensor:
+        return torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
 
     def wait_for_save(self) -> None:
         # Loads the forward pass did not take every layer of (it cannot have used them) are failures.
@@ -381,13 +409,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for spec in meta.saves:
-            chunk = self._staging.pop(spec.key, None)
-            if chunk is None:
+            staged = self._staging.pop(spec.key, None)
+            if staged is None:
                 continue  # no attention layer ran this step (nothing computed for it)
-            if self.store.put(spec.key, chunk):
+            if self.store.put(spec.key, staged[1]):  # a copy into kvstore's DRAM: the buffer is free again
                 self.counters["saved_chunks"] += 1
             else:
                 self.counters["save_rejected"] += 1
+            if len(self._spare_chunks) < SPARE_CHUNKS:
+                self._spare_chunks.append(staged[1])
         self._staging.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -122,8 +122,10 @@ class KVStoreTier(SecondaryTierManager):
         if pending is None:
             self.counters["lookups"] += 1
             self._lookups[key] = self.store.lookup_future([self.chunk_key(key)])
+            self.counters["lookup_retries"] += 1
             return LookupResult.RETRY
         if not pending.done():
+            self.counters["lookup_retries"] += 1
             return LookupResult.RETRY
         del self._lookups[key]
         try:
@@ -182,6 +184,8 @@ class KVStoreTier(SecondaryTierManager):
         self.counters["loaded_chunks"] += len(loaded)
         self.counters["load_failures"] += len(keys) - len(loaded)
         success = len(loaded) == len(keys)
+        if loaded and not success:
+            self.counters["partial_loads"] += 1  # the chunks that did load are reported and used
         return JobResult(
             job_id,
             success=success,
