@@ -159,6 +159,11 @@ class DevServer:
                 process.wait()
         self._processes = []
 
+    @property
+    def pids(self) -> list[int]:
+        """The server's process ids (to freeze it from another process, in tests)."""
+        return [process.pid for process in self._processes]
+
     def pause(self) -> None:
         """Freeze the server (SIGSTOP): connections stay open but nothing answers, like a hung host."""
         for process in self._processes:

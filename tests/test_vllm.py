@@ -59,12 +59,13 @@ def run_engine(
     steps: str,
     env: dict[str, str] | None = None,
     mode: str = "connector",
+    freeze_pid: int = 0,
 ) -> dict[str, Any]:
     """One vLLM engine in a fresh process; its report (see run_engine.py)."""
     out = workdir / f"report-{uuid.uuid4().hex[:8]}.json"
     command = [
         str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
-        "--extra", json.dumps(extra), "--steps", steps, "--out", str(out),
+        "--extra", json.dumps(extra), "--steps", steps, "--out", str(out), "--freeze-pid", str(freeze_pid),
     ]  # fmt: skip
     result = subprocess.run(
         command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT
@@ -94,8 +95,9 @@ def corrupt_every_file(directory: Path) -> int:
 
 
 def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm_python, tiny_llama, tmp_path):
-    report = run_engine(vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), "gen,other,reset,gen")
-    first, other, again = report["runs"]
+    steps = "gen,other,reset,gen,salted"
+    report = run_engine(vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), steps)
+    first, other, again, salted = report["runs"]
     stats = report["stats"]
     print("startup", round(report["startup_s"], 1), "s; stats", json.dumps(stats))
     assert first["cached_tokens"] == 0
@@ -106,7 +108,9 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     assert stats["connector"]["load_failures"] == 0
     assert stats["store"]["streamed_from_dram"] == REUSABLE_CHUNKS
     assert stats["scheduler"]["hit_tokens"] == REUSABLE_CHUNKS * 256
-    assert stats["connector"]["saved_chunks"] == 2 * REUSABLE_CHUNKS  # and the other prompt's
+    # Another tenant (vLLM's cache_salt) asking the same prompt gets none of these chunks.
+    assert salted["cached_tokens"] == 0 and salted["tokens"] == first["tokens"]
+    assert stats["connector"]["saved_chunks"] == 3 * REUSABLE_CHUNKS  # the other prompt's, the tenant's own
 
 
 def test_connector_a_fresh_engine_loads_the_prefix_from_disk(vllm_python, tiny_llama, tmp_path):
@@ -168,6 +172,28 @@ def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python,
             want = hf[0].transpose(0, 1)  # [heads, tokens, dim] -> [tokens, heads, dim]
             got = torch.cat([chunks[0][layer, plane], chunks[1][layer, plane]])
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (layer, plane, (got - want).abs().max())
+
+
+def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(vllm_python, tiny_llama, tmp_path):
+    """Redis is frozen (SIGSTOP) in front of a fresh engine: the lookup and the writes time out,
+    the prompt is computed, the output is the same, and the engine shuts down."""
+    from kvstore.devservers import RedisServer
+
+    with RedisServer() as server:
+        redis = {"enabled": True, "url": server.url, "codec": "lz4"}
+        config = {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}, "redis": redis}
+        extra = {"kvstore_config": {**config, "timeouts": {"get": 1, "put": 1, "close": 2}}}
+        first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")
+        try:
+            frozen = run_engine(vllm_python, tiny_llama, tmp_path, extra, "freeze,gen", freeze_pid=server.pids[0])
+        finally:
+            server.resume()
+    run, stats = frozen["runs"][0], frozen["stats"]
+    print("frozen redis", run["seconds"], "s;", json.dumps(stats))
+    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert run["cached_tokens"] == 0
+    assert stats["redis"]["timeouts"] >= 1 and stats["connector"]["load_failures"] == 0
+    assert run["seconds"] < 60  # a guard against a hang, not a timing: the timeout is 1 s
 
 
 @pytest.mark.parametrize("tier", ["redis", "moto"])

@@ -8,7 +8,9 @@ process so that "a fresh engine" really starts with an empty kvstore DRAM tier:
 
 Steps: ``gen`` generates greedily for the prompt (recording output tokens and how many prompt
 tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other`` generates for
-a different prompt, ``flush`` waits until kvstore's writes reached every tier. The engine runs
+a different prompt, ``salted`` for the same prompt under another tenant's ``cache_salt``,
+``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
+process ``--freeze-pid`` (a server that stops answering). The engine runs
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--freeze-pid", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -108,15 +112,21 @@ def main() -> None:
     llm = build_llm(args)
     report: dict[str, Any] = {"startup_s": time.perf_counter() - started, "runs": []}
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = {"gen": prompt(args.prompt_seed, args.prompt_tokens), "other": prompt(args.prompt_seed + 1000, 1000)}
+    prompts = {
+        "gen": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed, args.prompt_tokens)),
+        "other": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed + 1000, 1000)),
+        "salted": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed, args.prompt_tokens), cache_salt="tenant-b"),
+    }
     for step in args.steps.split(","):
         if step == "reset":
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         elif step == "flush":
             flush(llm, args.mode)
+        elif step == "freeze":
+            os.kill(args.freeze_pid, signal.SIGSTOP)
         elif step in prompts:
             begin = time.perf_counter()
-            output = llm.generate([TokensPrompt(prompt_token_ids=prompts[step])], sampling, use_tqdm=False)[0]
+            output = llm.generate([prompts[step]], sampling, use_tqdm=False)[0]
             report["runs"].append(
                 {
                     "step": step,
