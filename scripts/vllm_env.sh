@@ -16,6 +16,7 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$st
     # PyPI's torchvision/torchaudio/torchcodec builds do not match this torch and break
     # `import transformers`; a text-only engine needs none of them.
     "$VLLM_VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-    "$VLLM_VENV/bin/pip" install --quiet -e "$ROOT"
+    # pytest: tests/vllm_support/contract_tier.py runs here (it needs vLLM to import the tier)
+    "$VLLM_VENV/bin/pip" install --quiet -e "$ROOT" "pytest>=8.2"
     echo "$VLLM_VERSION" > "$stamp"
 fi

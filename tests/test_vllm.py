@@ -60,8 +60,9 @@ def run_engine(
     env: dict[str, str] | None = None,
     mode: str = "connector",
     freeze_pid: int = 0,
+    expect_failure: bool = False,
 ) -> dict[str, Any]:
-    """One vLLM engine in a fresh process; its report (see run_engine.py)."""
+    """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed."""
     out = workdir / f"report-{uuid.uuid4().hex[:8]}.json"
     command = [
         str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
@@ -70,6 +71,9 @@ def run_engine(
     result = subprocess.run(
         command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT
     )
+    if expect_failure:
+        assert result.returncode != 0, "the engine was expected to refuse to start"
+        return {"output": result.stdout + result.stderr}
     if result.returncode != 0:
         pytest.fail(f"vLLM engine failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return json.loads(out.read_text())
@@ -144,6 +148,13 @@ def test_connector_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python
     healed = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen")
     assert healed["stats"]["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
     assert healed["runs"][0]["tokens"] == first["runs"][0]["tokens"]
+
+
+def test_connector_a_misspelled_option_stops_the_engine_with_its_name(vllm_python, tiny_llama, tmp_path):
+    extra = {"kvstore_confg": {"disk": {"path": str(tmp_path / "disk")}}}
+    failed = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", expect_failure=True)
+    assert "unknown vLLM option 'kvstore_confg' for kvstore" in failed["output"]
+    assert "kvstore_config:" in failed["output"]  # the valid options are listed
 
 
 def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python, tiny_llama, tmp_path):
@@ -227,6 +238,20 @@ def test_importing_the_vllm_integration_without_vllm_says_what_to_install():
 
 
 # -- KVStoreTier (a secondary tier of vLLM's native offloading) ------------------------------------
+
+
+def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
+    """tests/vllm_support/contract_tier.py, under vLLM's environment (it imports vLLM's types)."""
+    command = [
+        str(vllm_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-c", os.devnull,
+        "--rootdir", str(SUPPORT), str(SUPPORT / "contract_tier.py"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
+    print(result.stdout[-2000:])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "7 passed" in result.stdout
+
+
 # vLLM's offloading worker refuses the CPU platform; tests/vllm_support/cpu_offload_spec.py is a
 # test-only spec whose worker does the same engine <-> primary-buffer copies with plain torch.
 # Everything else (the CPU primary tier, the tiering manager calling KVStoreTier) is vLLM's code.

@@ -39,7 +39,6 @@ from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer,
 from kvstore.connectors.vllm._common import read_options, shared_stores
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.prefetch import PrefetchError
 from kvstore.sync import SyncLayerStream
 
 if TYPE_CHECKING:
@@ -166,7 +165,7 @@ class _Request:
 @dataclass
 class _ActiveLoad:
     spec: LoadSpec
-    stream: SyncLayerStream
+    stream: SyncLayerStream | None  # None: it could not even start
     block_ids: torch.Tensor
     failed: bool = False
     layers_done: int = 0
@@ -358,8 +357,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for spec in meta.loads:
-            stream = self.store.prefetch(spec.keys, depth=self.prefetch_depth)
-            self._loads.append(_ActiveLoad(spec, stream, torch.tensor(spec.block_ids, dtype=torch.long)))
+            load = _ActiveLoad(spec, None, torch.tensor(spec.block_ids, dtype=torch.long))
+            self._loads.append(load)
+            try:
+                load.stream = self.store.prefetch(spec.keys, depth=self.prefetch_depth)
+            except Exception as exc:  # e.g. the store closed under a shutting-down engine
+                self._fail(load, f"the stream did not start: {exc!r}")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -367,14 +370,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         layer = self._layers[index]
         for load in self._loads:
-            if load.failed or load.layers_done != index:
+            if load.failed or load.stream is None or load.layers_done != index:
                 continue
             try:
                 kv = load.stream.wait_layer(index, self.wait_timeout)
                 rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
                 layer.scatter(load.block_ids, kv[:, rows])
                 load.layers_done += 1
-            except (PrefetchError, TimeoutError) as exc:
+            except Exception as exc:  # PrefetchError, a timeout, anything: recomputed, never an engine error
                 self._fail(load, f"layer {index}: {exc}")
         self._finish_loads(complete_only=True)
 
@@ -412,10 +415,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             staged = self._staging.pop(spec.key, None)
             if staged is None:
                 continue  # no attention layer ran this step (nothing computed for it)
-            if self.store.put(spec.key, staged[1]):  # a copy into kvstore's DRAM: the buffer is free again
-                self.counters["saved_chunks"] += 1
-            else:
-                self.counters["save_rejected"] += 1
+            try:
+                saved = self.store.put(spec.key, staged[1])  # a copy into kvstore's DRAM: the buffer is free again
+            except Exception as exc:  # a save is best effort: a missed one is a future cache miss
+                log.warning("kvstore: saving a chunk failed: %r", exc)
+                saved = False
+            self.counters["saved_chunks" if saved else "save_rejected"] += 1
             if len(self._spare_chunks) < SPARE_CHUNKS:
                 self._spare_chunks.append(staged[1])
         self._staging.clear()
@@ -443,7 +448,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not load.failed:
                 self.counters["loaded_chunks"] += len(load.spec.keys)
             try:
-                load.stream.close()
+                if load.stream is not None:
+                    load.stream.close()
             except Exception as exc:  # closing must not turn a finished load into an engine error
                 log.debug("kvstore: closing a layer stream failed: %r", exc)
         self._loads = keep

@@ -120,8 +120,14 @@ class KVStoreTier(SecondaryTierManager):
             return LookupResult.HIT
         pending = self._lookups.get(key)
         if pending is None:
+            if len(self._lookups) >= KNOWN_KEYS:  # answers nobody came back for (requests gone)
+                self._lookups = {k: f for k, f in self._lookups.items() if not f.done()}
+            try:
+                self._lookups[key] = self.store.lookup_future([self.chunk_key(key)])
+            except Exception as exc:
+                log.warning("KVStoreTier lookup not started (treated as a miss): %r", exc)
+                return LookupResult.MISS
             self.counters["lookups"] += 1
-            self._lookups[key] = self.store.lookup_future([self.chunk_key(key)])
             self.counters["lookup_retries"] += 1
             return LookupResult.RETRY
         if not pending.done():
@@ -163,7 +169,12 @@ class KVStoreTier(SecondaryTierManager):
         self._submit(job_metadata.job_id, self._load(job_metadata.job_id, keys, outs))
 
     def _submit(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
-        future = self.store.submit(work)
+        try:
+            future = self.store.submit(work)
+        except Exception as exc:  # the store is closed: the job fails, the scheduler goes on
+            log.warning("KVStoreTier job %d not started: %r", job_id, exc)
+            self._finished.append(JobResult(job_id, success=False))
+            return
         with self._lock:
             self._jobs[job_id] = future
         future.add_done_callback(lambda done: self._job_done(job_id, done))

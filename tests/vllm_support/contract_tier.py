@@ -1,0 +1,159 @@
+"""KVStoreTier against the SecondaryTierManager contract, call by call (run with vLLM's environment).
+
+tests/test_vllm.py runs this file with ``.venv-vllm/bin/python -m pytest``: it needs vLLM to import
+the tier, so kvstore's own test run does not collect it. The primary tier's buffer is a plain
+array shaped like vLLM's (chunks x row bytes); every call is made as vLLM's scheduler makes it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
+
+from kvstore.config import ConfigError
+from kvstore.connectors.vllm import KVStoreTier
+
+LAYERS, TOKENS, WIDTH = 2, 256, 64  # float32: 2 x 2 x 256 x 64 x 4 = 256 KiB per chunk
+CHUNK_BYTES = LAYERS * 2 * TOKENS * WIDTH * 4
+ROWS = 6
+
+
+def spec() -> SimpleNamespace:
+    config = SimpleNamespace(
+        model=SimpleNamespace(name="tiny", dtype="float32"),
+        groups=(SimpleNamespace(layer_names=("l0", "l1"), tokens_per_block=128, group_id=0),),
+        cache=SimpleNamespace(blocks_per_chunk=2, tokens_per_hash=128),
+        worker_kv_bytes_per_block=CHUNK_BYTES // 2,
+        parallel=SimpleNamespace(world_size=1),
+    )
+    return SimpleNamespace(config=config)
+
+
+@pytest.fixture
+def primary() -> np.ndarray:
+    rows = np.zeros((ROWS, CHUNK_BYTES + 4096), dtype=np.int8)  # rows are padded, as vLLM's are
+    rows[:, :CHUNK_BYTES] = np.random.default_rng(0).integers(-128, 127, (ROWS, CHUNK_BYTES), dtype=np.int8)
+    return rows
+
+
+@pytest.fixture
+def tier(primary: np.ndarray, tmp_path: Path):
+    config = {"dram": {"capacity": "4MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    made = KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config=config)
+    yield made
+    made.shutdown()
+
+
+def key(n: int) -> bytes:
+    return bytes([n]) * 32 + (0).to_bytes(4, "big")
+
+
+def job(job_id: int, keys: list[bytes], rows: list[int], promotion: bool) -> TransferJob:
+    return TransferJob(job_id, keys, np.array(rows), promotion, ReqContext(req_id="r"))
+
+
+def finish(tier: KVStoreTier, timeout: float = 10) -> list:
+    """Poll as the scheduler does, once per 'step', until a result comes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        results = list(tier.get_finished_jobs())
+        if results:
+            return results
+        time.sleep(0.001)
+    raise AssertionError("no job finished")
+
+
+def resolve(tier: KVStoreTier, k: bytes) -> LookupResult:
+    context = ReqContext(req_id="r")
+    for _ in range(10_000):
+        answer = tier.lookup(k, context)
+        if answer is not LookupResult.RETRY:
+            return answer
+        time.sleep(0.001)
+    raise AssertionError("lookup never resolved")
+
+
+def test_a_lookup_answers_retry_until_kvstore_has_answered(tier):
+    assert tier.lookup(key(1), ReqContext(req_id="r")) is LookupResult.RETRY  # never waits on I/O
+    assert resolve(tier, key(1)) is LookupResult.MISS
+
+
+def test_a_stored_chunk_is_pending_until_reported_then_loads_back_byte_exact(tier, primary):
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1], promotion=False))
+    assert tier.has_pending_work()
+    tier.drain_jobs()
+    [stored] = finish(tier)
+    assert stored.job_id == 1 and stored.success and stored.transfer_bytes == 2 * CHUNK_BYTES
+    assert not tier.has_pending_work()
+    assert resolve(tier, key(2)) is LookupResult.HIT
+    tier.submit_load(job(2, [key(2), key(1)], [4, 5], promotion=True))
+    [loaded] = finish(tier)
+    assert loaded.success and loaded.successful_keys is None
+    assert np.array_equal(primary[4, :CHUNK_BYTES], primary[1, :CHUNK_BYTES])
+    assert np.array_equal(primary[5, :CHUNK_BYTES], primary[0, :CHUNK_BYTES])
+    assert not primary[4, CHUNK_BYTES:].any()  # the row's padding is left alone
+
+
+def test_a_partial_promotion_reports_the_keys_that_loaded_and_misses_the_rest_from_then_on(tier, primary):
+    tier.submit_store(job(1, [key(1)], [0], promotion=False))
+    finish(tier)
+    before = primary[3].copy()
+    tier.submit_load(job(2, [key(1), key(9)], [2, 3], promotion=True))
+    [result] = finish(tier)
+    assert not result.success and set(result.successful_keys) == {key(1)}
+    assert np.array_equal(primary[2, :CHUNK_BYTES], primary[0, :CHUNK_BYTES])
+    assert np.array_equal(primary[3], before)  # nothing written for the key that failed
+    assert tier.lookup(key(9), ReqContext(req_id="r")) is LookupResult.MISS  # no promotion loop
+    assert tier.stats()["tier"]["partial_loads"] == 1
+
+
+def test_chunks_survive_a_new_tier_on_the_same_disk(primary, tmp_path):
+    config = {"dram": {"capacity": "4MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    first = KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config=config)
+    first.submit_store(job(1, [key(7)], [0], promotion=False))
+    finish(first)
+    first.shutdown()  # flushes kvstore's writes
+    second = KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config=config)
+    try:
+        assert resolve(second, key(7)) is LookupResult.HIT
+        second.submit_load(job(2, [key(7)], [5], promotion=True))
+        [result] = finish(second)
+        assert result.success and np.array_equal(primary[5, :CHUNK_BYTES], primary[0, :CHUNK_BYTES])
+    finally:
+        second.shutdown()
+
+
+def test_another_namespace_sees_none_of_the_chunks(primary, tmp_path):
+    disk = {"path": str(tmp_path / "disk")}
+    first = KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk})
+    first.submit_store(job(1, [key(7)], [0], promotion=False))
+    finish(first)
+    first.shutdown()
+    other = KVStoreTier(
+        spec(), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk}, kvstore_namespace="b"
+    )
+    try:
+        assert resolve(other, key(7)) is LookupResult.MISS
+    finally:
+        other.shutdown()
+
+
+def test_a_closed_store_fails_jobs_and_misses_lookups_without_raising(tier):
+    tier.store.close()
+    tier.submit_load(job(3, [key(1)], [0], promotion=True))
+    [result] = finish(tier)
+    assert not result.success
+    assert tier.lookup(key(4), ReqContext(req_id="r")) is LookupResult.MISS
+
+
+def test_a_misspelled_option_is_refused_with_its_name(primary):
+    with pytest.raises(ConfigError, match="kvstore_confg"):
+        KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_confg={})
+    with pytest.raises(ConfigError, match="dram.capcity"):
+        KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config={"dram": {"capcity": "1GiB"}})
