@@ -24,9 +24,11 @@ CHUNK_BYTES = LAYERS * 2 * TOKENS * WIDTH * 4
 ROWS = 6
 
 
-def spec() -> SimpleNamespace:
+def spec(kv_cache_layout: str = "LBHNC") -> SimpleNamespace:
     config = SimpleNamespace(
         model=SimpleNamespace(name="tiny", dtype="float32"),
+        kv_cache_layout=kv_cache_layout,
+        canonical_layout=False,
         groups=(SimpleNamespace(layer_names=("l0", "l1"), tokens_per_block=128, group_id=0),),
         cache=SimpleNamespace(blocks_per_chunk=2, tokens_per_hash=128),
         worker_kv_bytes_per_block=CHUNK_BYTES // 2,
@@ -129,19 +131,20 @@ def test_chunks_survive_a_new_tier_on_the_same_disk(primary, tmp_path):
         second.shutdown()
 
 
-def test_another_namespace_sees_none_of_the_chunks(primary, tmp_path):
+@pytest.mark.parametrize("other", [{"kvstore_namespace": "b"}, {"kv_cache_layout": "LBNHC"}])
+def test_another_namespace_or_block_layout_sees_none_of_the_chunks(primary, tmp_path, other):
     disk = {"path": str(tmp_path / "disk")}
     first = KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk})
     first.submit_store(job(1, [key(7)], [0], promotion=False))
     finish(first)
     first.shutdown()
-    other = KVStoreTier(
-        spec(), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk}, kvstore_namespace="b"
-    )
+    layout = other.get("kv_cache_layout", "LBHNC")
+    options = {name: value for name, value in other.items() if name.startswith("kvstore")}
+    second = KVStoreTier(spec(layout), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk}, **options)
     try:
-        assert resolve(other, key(7)) is LookupResult.MISS
+        assert resolve(second, key(7)) is LookupResult.MISS
     finally:
-        other.shutdown()
+        second.shutdown()
 
 
 def test_a_closed_store_fails_jobs_and_misses_lookups_without_raising(tier):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -67,6 +68,31 @@ def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
     return KVLayout(num_layers=layers, num_kv_heads=1, head_dim=per_token, dtype=dtype, chunk_tokens=tokens)
 
 
+def primary_format(spec: OffloadingSpec) -> str:
+    """What a primary row's bytes mean beyond their size: the platform, layout and kernels that wrote them.
+
+    Part of the tier's namespace, so that engines sharing a bucket but not a block layout (a GPU
+    and a CPU engine, two CPU kernel sets) never read each other's rows as their own.
+    """
+    from vllm.platforms import current_platform
+
+    config = spec.config
+    parts = [
+        str(current_platform.device_type),
+        str(config.kv_cache_layout),
+        "canonical" if config.canonical_layout else "direct",
+    ]
+    if current_platform.is_cpu():
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            dtype = dtype_from_name(config.model.dtype)
+            parts.append(_get_attn_isa(dtype, config.groups[0].tokens_per_block))
+        except Exception:  # a vLLM without this helper: rows stay apart from every named kernel set
+            parts.append("unknown-kernels")
+    return "/".join(parts)
+
+
 class KVStoreTier(SecondaryTierManager):
     """A vLLM secondary tier backed by a kvstore (its DRAM pool is only a write-back buffer here)."""
 
@@ -89,6 +115,8 @@ class KVStoreTier(SecondaryTierManager):
             raise ConfigError(f"unknown KVStoreTier option(s) {unknown}; valid options are {sorted(TIER_OPTIONS)}")
         chunk_bytes = offloading_spec.config.worker_kv_bytes_per_block * offloading_spec.config.cache.blocks_per_chunk
         self.layout = layout_for_primary(offloading_spec, chunk_bytes)
+        self.format = primary_format(offloading_spec)
+        settings = dataclasses.replace(settings, namespace=f"{settings.namespace}#{self.format}")
         # Keys: vLLM's block hash (a SHA-256 chain over the prefix) under kvstore's namespace and salt.
         self._seed = namespace_seed(self.layout, settings.namespace)
         rows = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's own memory
