@@ -117,6 +117,20 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     assert stats["connector"]["saved_chunks"] == 3 * REUSABLE_CHUNKS  # the other prompt's, the tenant's own
 
 
+def test_connector_with_the_worker_in_its_own_process_reuses_chunks_only_its_dram_holds(
+    vllm_python, tiny_llama, tmp_path
+):
+    """vLLM's default on the CPU: the engine in one process, its worker in another (as with tensor
+    parallelism on GPUs). The scheduler's store cannot see the worker's DRAM; with no disk tier,
+    only the scheduler's record of what it had the worker save can find the prefix."""
+    extra = {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}}}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    report = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,reset,gen", env)
+    first, again = report["runs"]
+    assert first["cached_tokens"] == 0
+    assert again["cached_tokens"] == REUSABLE_CHUNKS * 256 and again["tokens"] == first["tokens"]
+
+
 def test_connector_a_fresh_engine_loads_the_prefix_from_disk(vllm_python, tiny_llama, tmp_path):
     extra = disk_extra(tmp_path / "disk", codec="bytesplit+zstd")
     first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")

@@ -137,7 +137,9 @@ def main() -> None:
             )
         else:
             raise SystemExit(f"unknown step {step!r}")
-    report["stats"] = report_stats(llm, args.mode)
+    # With VLLM_ENABLE_V1_MULTIPROCESSING=1 the engine (and kvstore) live in other processes.
+    in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    report["stats"] = report_stats(llm, args.mode) if in_process else {}
     with open(args.out, "w") as f:
         json.dump(report, f, default=str)
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None

@@ -72,18 +72,25 @@ def _positive(extra: Mapping[str, Any], key: str, default: int) -> int:
 class _SharedStores:
     """One :class:`SyncKVStore` per (config, layout, namespace) in a process, reference-counted.
 
-    vLLM builds a scheduler-side and a worker-side connector; with one worker they live in the
-    same process, and sharing the store lets the scheduler's lookups see the worker's DRAM tier.
+    vLLM builds a scheduler-side and a worker-side connector; with one GPU worker they live in
+    the same process, and sharing the store lets the scheduler's lookups see the worker's DRAM
+    tier. Where the worker has a process of its own (vLLM's CPU backend, tensor parallelism), the
+    scheduler's store only looks chunks up: ``lookup_only`` gives it a DRAM pool of one chunk.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stores: dict[str, tuple[SyncKVStore, int]] = {}
 
-    def acquire(self, options: KVStoreOptions, layout: KVLayout) -> SyncKVStore:
+    def acquire(self, options: KVStoreOptions, layout: KVLayout, lookup_only: bool = False) -> SyncKVStore:
         ident = self._ident(options, layout)
         with self._lock:
             store, users = self._stores.get(ident, (None, 0))
+            if store is None and lookup_only:
+                config = options.config.model_copy(deep=True)
+                config.dram.capacity = layout.chunk_nbytes  # type: ignore[assignment]
+                config.dram.pin_memory = "never"
+                return SyncKVStore(config, layout, options.namespace)  # not shared: release() closes it
             if store is None:
                 store = SyncKVStore(options.config, layout, options.namespace)
                 log.info(
@@ -104,8 +111,6 @@ class _SharedStores:
                         return
                     del self._stores[ident]
                     break
-            else:
-                return
         store.close()  # outside the lock: close() waits for pending writes (bounded by timeouts.close)
 
     @staticmethod

@@ -20,6 +20,7 @@ A chunk that cannot be loaded (corrupt, vanished, a tier timing out) is reported
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -196,7 +197,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = options.chunk_tokens
         self.prefetch_depth = options.prefetch_depth
-        self.store = shared_stores.acquire(options, self.layout)
+        self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
         timeouts = self.store.store.config.timeouts
         self.wait_timeout = (len(self.store.store.tiers) + 2) * timeouts.get
         self.counters = {
@@ -211,6 +212,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         }
         # scheduler side
         self._requests: dict[str, _Request] = {}
+        # Chunks this scheduler had the worker put into its DRAM tier, newest last: the worker may
+        # be another process, whose DRAM the scheduler's lookups cannot see.
+        self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
+        self._saved_limit = max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes)
         # worker side
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
@@ -231,7 +236,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if state.lookup is None and state.keys:
             # Every full chunk, even one vLLM has itself: the answer also tells what not to save again.
             self.counters["lookups"] += 1
-            state.lookup = self.store.lookup_future(state.keys)
+            state.lookup = self._lookup(state.keys)
         # At least one prompt token must be computed: it yields the first output token.
         usable = min(len(state.keys), (state.prompt_tokens - 1) // self.chunk_tokens)
         if usable * self.chunk_tokens <= num_computed_tokens:
@@ -241,6 +246,25 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, False  # vLLM asks again next step; the scheduler never waits on I/O
         matched = min(found, usable) * self.chunk_tokens
         return max(0, matched - num_computed_tokens), False
+
+    def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[int]:
+        """How many leading ``keys`` are stored: those just saved to the worker's DRAM, then the store's answer."""
+        recent = 0
+        while recent < len(keys) and keys[recent] in self._saved:
+            recent += 1
+        total: concurrent.futures.Future[int] = concurrent.futures.Future()
+        if recent == len(keys):
+            total.set_result(recent)
+            return total
+
+        def add_recent(rest: concurrent.futures.Future[int]) -> None:
+            if rest.exception() is not None:
+                total.set_exception(rest.exception())  # type: ignore[arg-type]
+            else:
+                total.set_result(recent + rest.result())
+
+        self.store.lookup_future(keys[recent:]).add_done_callback(add_recent)
+        return total
 
     def _found(self, state: _Request) -> int | None:
         """The lookup's answer (None while it is out); a failed lookup is a miss."""
@@ -302,6 +326,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 blocks = state.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
                 if len(blocks) == per_chunk:
                     meta.saves.append(SaveSpec(req_id, state.keys[chunk], blocks))
+                    self._saved[state.keys[chunk]] = None
+                    self._saved.move_to_end(state.keys[chunk])
+                    if len(self._saved) > self._saved_limit:
+                        self._saved.popitem(last=False)
             state.next_save = max(state.next_save, done)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
@@ -315,6 +343,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         for state in self._requests.values():
             if state.loading is not None and state.loading[1] & failed:
                 state.next_save = min(state.next_save, state.loading[0])
+                for key in state.keys[state.loading[0] :]:
+                    self._saved.pop(key, None)  # gone from the worker's DRAM, or bad: ask the store next time
                 state.loading = None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
