@@ -9,7 +9,8 @@ vLLM's CPU tier stays the primary: it copies blocks between GPU and its pinned b
 cascades chunks to this tier (``submit_store``) or promotes them back (``submit_load``). Each
 primary chunk (one row of vLLM's buffer: every layer's pages of ``blocks_per_chunk`` blocks,
 in the layout of vLLM's kernels) is one kvstore chunk, compressed by the tier's codec, under a
-key derived from vLLM's block hash and kvstore's namespace (model, tenant salt).
+key derived from vLLM's block hash (which carries the request's ``cache_salt``) and kvstore's
+namespace (model, block layout).
 
 Every method runs on vLLM's scheduler thread and returns at once: lookups answer RETRY until
 kvstore's answer is back, jobs run on kvstore's event loop and are reported by
