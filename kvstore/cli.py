@@ -1,4 +1,4 @@
-"""The ``kvstore`` command line: ``demo``, ``bench``, ``version``."""
+"""The ``kvstore`` command line: ``demo``, ``bench``, ``dev-servers``, ``version``."""
 
 from __future__ import annotations
 
@@ -188,3 +188,74 @@ def _bench_remote(
         raise typer.Exit(1) from None
     for table in r.tables(results, mib, repeats, concurrency):
         console.print(table)
+
+
+@app.command("dev-servers")
+def dev_servers(
+    s3: Annotated[str, typer.Option(help="the S3 server to start: moto, seaweedfs or none")] = "moto",
+    redis: Annotated[bool, typer.Option(help="start redis-server too")] = True,
+    bucket: Annotated[str, typer.Option(help="the bucket kvstore should use")] = "kvstore",
+    check: Annotated[bool, typer.Option(help="store a chunk through each server, read it back, then stop")] = False,
+) -> None:
+    """Real S3 and Redis servers on 127.0.0.1, no Docker: prints the settings for kvstore; Ctrl-C stops them.
+
+    The same servers the tests use (kvstore.devservers): moto or SeaweedFS, and redis-server.
+    """
+    import os
+    import time
+    from contextlib import ExitStack
+
+    from kvstore.devservers import MotoServer, RedisServer, SeaweedFSServer, ServerError
+
+    if s3 not in ("moto", "seaweedfs", "none"):
+        raise typer.BadParameter("use moto, seaweedfs or none", param_hint="--s3")
+    settings: dict[str, str] = {}
+    with ExitStack() as running:
+        try:
+            if s3 != "none":
+                server = running.enter_context((MotoServer if s3 == "moto" else SeaweedFSServer)())
+                settings |= server.credentials_env()
+                settings |= {"KVSTORE_S3__ENABLED": "true", "KVSTORE_S3__BUCKET": bucket}
+                settings["KVSTORE_S3__CREATE_BUCKET"] = "true"
+            if redis:
+                settings |= {"REDIS_URL": running.enter_context(RedisServer()).url, "KVSTORE_REDIS__ENABLED": "true"}
+        except ServerError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        console.print("# kvstore picks these up from the environment (paste into your shell):", highlight=False)
+        for name, value in settings.items():
+            typer.echo(f"export {name}={value}")
+        if check:
+            os.environ.update(settings)
+            _check_dev_servers(s3, redis)
+            return
+        console.print("# running; Ctrl-C stops the servers (their data goes with them)", highlight=False)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+def _check_dev_servers(s3: str, redis: bool) -> None:
+    """Put one chunk through every remote tier, then read it back with each tier alone."""
+    import torch
+
+    from kvstore import KVLayout, StoreConfig, SyncKVStore
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)
+    chunk = torch.randn(layout.chunk_shape).to(layout.dtype)
+    base = {"dram": {"capacity": "1MiB"}, "disk": {"enabled": False}}
+    with SyncKVStore(StoreConfig(**base), layout, namespace="dev-servers-check") as store:
+        key = store.chunk_keys(list(range(16)))[0]
+        store.put(key, chunk)
+        store.flush(timeout=30)
+    tiers = ([f"s3 ({s3})"] if s3 != "none" else []) + (["redis"] if redis else [])
+    for tier in tiers:
+        only = {"s3": {"enabled": False}} if tier == "redis" else {"redis": {"enabled": False}}
+        with SyncKVStore(StoreConfig(**base, **only), layout, namespace="dev-servers-check") as store:
+            back = store.get(key)
+        if back is None or not torch.equal(back, chunk):
+            console.print(f"[red]check: the chunk did not come back from {tier}[/red]")
+            raise typer.Exit(1)
+    console.print(f"check: a chunk was stored and read back exactly through {', '.join(tiers) or 'nothing'}")
