@@ -202,7 +202,7 @@ def dev_servers(
     The same servers the tests use (kvstore.devservers): moto or SeaweedFS, and redis-server.
     """
     import os
-    import time
+    import signal
     from contextlib import ExitStack
 
     from kvstore.devservers import MotoServer, RedisServer, SeaweedFSServer, ServerError
@@ -231,8 +231,7 @@ def dev_servers(
             return
         console.print("# running; Ctrl-C stops the servers (their data goes with them)", highlight=False)
         try:
-            while True:
-                time.sleep(3600)
+            signal.pause()  # until Ctrl-C (or another signal) arrives
         except KeyboardInterrupt:
             pass
 

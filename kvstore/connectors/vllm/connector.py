@@ -40,6 +40,7 @@ from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer,
 from kvstore.connectors.vllm._common import read_options, shared_stores
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
+from kvstore.store import KVStore
 from kvstore.sync import SyncLayerStream
 
 if TYPE_CHECKING:
@@ -106,6 +107,10 @@ def expected_paged_format(vllm_config: VllmConfig) -> tuple[PagedFormat, str]:
     except Exception:  # a vLLM without this helper: the worker's check names what it found
         isa = None
     return paged_format("CPU_ATTN", isa), f"CPU_ATTN/{isa}"
+
+
+async def _put_all(store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
+    return [await store.put(key, chunk) for key, chunk in chunks]
 
 
 def request_extra(request: Request) -> bytes | None:
@@ -441,18 +446,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        for spec in meta.saves:
-            staged = self._staging.pop(spec.key, None)
-            if staged is None:
-                continue  # no attention layer ran this step (nothing computed for it)
-            try:
-                saved = self.store.put(spec.key, staged[1])  # a copy into kvstore's DRAM: the buffer is free again
+        # Chunks no attention layer ran for this step (nothing computed for them) are not in staging.
+        chunks = [(spec.key, self._staging[spec.key][1]) for spec in meta.saves if spec.key in self._staging]
+        if chunks:
+            try:  # one hop to kvstore's loop for all of them; each put copies into its DRAM tier
+                saved = self.store.submit(_put_all(self.store.store, chunks)).result()
             except Exception as exc:  # a save is best effort: a missed one is a future cache miss
-                log.warning("kvstore: saving a chunk failed: %r", exc)
-                saved = False
-            self.counters["saved_chunks" if saved else "save_rejected"] += 1
-            if len(self._spare_chunks) < SPARE_CHUNKS:
-                self._spare_chunks.append(staged[1])
+                log.warning("kvstore: saving %d chunks failed: %r", len(chunks), exc)
+                saved = [False] * len(chunks)
+            self.counters["saved_chunks"] += sum(saved)
+            self.counters["save_rejected"] += len(chunks) - sum(saved)
+            # The staging buffers are free again (put copied them): keep a few for the next steps.
+            self._spare_chunks.extend(chunk for _, chunk in chunks[: SPARE_CHUNKS - len(self._spare_chunks)])
         self._staging.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
