@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import struct
 from collections.abc import Sequence
 from typing import TypeAlias
@@ -23,6 +24,8 @@ ChunkKey: TypeAlias = str
 """64 lowercase hex characters (a SHA-256 digest)."""
 
 KEY_BYTES = 32
+DEFAULT_NAMESPACE = "default"
+"""The namespace directory of a backend opened without one (tests, benchmarks)."""
 _CHAIN_TAG = b"kvstore-chain-v1\x00"
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
@@ -83,3 +86,30 @@ def key_to_bytes(key: ChunkKey) -> bytes:
     if not isinstance(key, str) or len(key) != 2 * KEY_BYTES or not set(key) <= _HEX_DIGITS:
         raise ValueError(problem)
     return bytes.fromhex(key)
+
+
+_PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_NOT_PLAIN = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def namespace_dir(namespace: str) -> str:
+    """The namespace as it appears in object names: a directory, an S3 prefix, a Redis key part.
+
+    Stored objects carry it so operators can list, bound and delete one model's cache
+    (``kvstore ls``, ``kvstore gc --namespace``) without reading any object. A plain name
+    (letters, digits, ``._-``, up to 64) is kept as it is; any other is made readable and
+    suffixed with ``~`` and 12 hex digits of its SHA-256, so two names never share a directory
+    (``~`` never occurs in a plain name). The tenant salt is not part of it: it stays secret.
+    """
+    if _PLAIN_NAMESPACE.fullmatch(namespace):
+        return namespace
+    readable = _NOT_PLAIN.sub("-", namespace).strip("-._")[:48] or "ns"
+    return f"{readable}~{hashlib.sha256(namespace.encode()).hexdigest()[:12]}"
+
+
+def is_namespace_dir(name: str) -> bool:
+    """Whether ``name`` could be a :func:`namespace_dir` (listings skip anything else)."""
+    return bool(_NAMESPACE_DIR.fullmatch(name))
+
+
+_NAMESPACE_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}|[A-Za-z0-9][A-Za-z0-9._-]{0,47}~[0-9a-f]{12}")

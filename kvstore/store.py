@@ -26,7 +26,7 @@ from kvstore.codecs import make_codec
 from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
 from kvstore.crypto import ChunkCipher
 from kvstore.dram import SlabPool
-from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes
+from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.prefetch import LayerStream
 from kvstore.tier import ChunkTier
@@ -83,15 +83,18 @@ class KVStore:
     def _tiers_from_config(self) -> list[ChunkTier]:
         """Fastest first: disk, then Redis, then S3 (each enabled in the config)."""
         config, tiers = self.config, []
+        directory = namespace_dir(self.namespace)  # objects are stored per namespace: see kvstore gc
         key = config.encryption.resolve_key()
         cipher = ChunkCipher(key) if key is not None else None
         if config.disk.enabled:
             disk = config.disk
-            backend = DiskBackend(disk.path, int(disk.capacity), fsync=disk.fsync, executor=self._executor)
+            backend = DiskBackend(
+                disk.path, int(disk.capacity), fsync=disk.fsync, executor=self._executor, namespace=directory
+            )
             tiers.append(ChunkTier(backend, make_codec(disk.codec), self.layout, self._executor, cipher=cipher))
         for remote in (config.redis, config.s3):
             if remote.enabled:
-                backend = remote_backend(remote, config.timeouts)
+                backend = remote_backend(remote, config.timeouts, directory)
                 tiers.append(ChunkTier(backend, make_codec(remote.codec), self.layout, self._executor, cipher=cipher))
         return tiers
 
@@ -431,7 +434,9 @@ class KVStore:
             )
 
 
-def remote_backend(remote: S3Config | RedisConfig, timeouts: TimeoutConfig) -> Backend:
+def remote_backend(
+    remote: S3Config | RedisConfig, timeouts: TimeoutConfig, namespace: str = DEFAULT_NAMESPACE
+) -> Backend:
     """The backend a remote config section describes (imported here: only used tiers load their client)."""
     if isinstance(remote, S3Config):
         from kvstore.backends.s3 import S3Backend
@@ -449,6 +454,7 @@ def remote_backend(remote: S3Config | RedisConfig, timeouts: TimeoutConfig) -> B
             connect_timeout=remote.connect_timeout,
             read_timeout=max(timeouts.get, timeouts.put),
             create_bucket=remote.create_bucket,
+            namespace=namespace,
         )
     from kvstore.backends.redis import RedisBackend
 
@@ -460,4 +466,5 @@ def remote_backend(remote: S3Config | RedisConfig, timeouts: TimeoutConfig) -> B
         max_connections=remote.max_connections,
         connect_timeout=remote.connect_timeout,
         socket_timeout=timeouts.get,
+        namespace=namespace,
     )

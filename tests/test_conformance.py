@@ -63,7 +63,7 @@ def case(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor) -> 
         root = tmp_path / "disk"
 
         def disk_file(key: str) -> Path:
-            return root / key[:2] / key[2:4] / f"{key}.kvc"
+            return root / "default" / key[:2] / key[2:4] / f"{key}.kvc"
 
         def disk_put(key: str, data: bytes) -> None:
             disk_file(key).parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def case(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor) -> 
 
         def s3_get(key: str) -> bytes | None:
             try:
-                return client.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/{key}")["Body"].read()
+                return client.get_object(Bucket=TEST_BUCKET, Key=f"{prefix}/default/{key}")["Body"].read()
             except client.exceptions.NoSuchKey:
                 return None
 
@@ -91,7 +91,7 @@ def case(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor) -> 
             kind,
             lambda: S3Backend(TEST_BUCKET, prefix=prefix, endpoint_url=server.endpoint_url, read_timeout=10),
             s3_get,
-            lambda key, data: client.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/{key}", Body=data),
+            lambda key, data: client.put_object(Bucket=TEST_BUCKET, Key=f"{prefix}/default/{key}", Body=data),
         )
     cluster = kind == "redis-cluster"
     server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
@@ -100,8 +100,8 @@ def case(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor) -> 
     return Case(
         kind,
         lambda: RedisBackend(server.url, cluster=cluster, prefix=prefix),
-        lambda key: raw.get(f"{prefix}:{key}"),
-        lambda key, data: raw.set(f"{prefix}:{key}", data),
+        lambda key: raw.get(f"{prefix}:default:{key}"),
+        lambda key, data: raw.set(f"{prefix}:default:{key}", data),
     )
 
 

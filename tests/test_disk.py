@@ -196,12 +196,12 @@ async def test_layout_and_private_permissions(tmp_path: Path):
     key = hexkey("perm")
     await backend.set(key, [b"secret prompt kv"])
 
-    path = root / key[:2] / key[2:4] / f"{key}.kvc"
+    path = root / "default" / key[:2] / key[2:4] / f"{key}.kvc"  # the namespace directory, then two shard levels
     assert backend.path_for(key) == path
     assert path.is_file()
     assert files_under(root) == [path]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    for directory in (root, root / key[:2], root / key[:2] / key[2:4]):
+    for directory in (root, root / "default", root / "default" / key[:2], root / "default" / key[:2] / key[2:4]):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
 
@@ -212,7 +212,7 @@ async def test_directories_are_private_even_without_open(tmp_path: Path):
     await backend.set(key, [b"data"])
     path = backend.path_for(key)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    for directory in (root, path.parent.parent, path.parent):
+    for directory in (root, path.parent.parent.parent, path.parent.parent, path.parent):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
 
@@ -239,7 +239,7 @@ async def test_a_removed_shard_directory_is_recreated(disk: DiskBackend):
     # Someone cleared the cache directory while the engine runs: writes must not fail forever.
     key = hexkey("a")
     await disk.set(key, [b"one"])
-    shutil.rmtree(disk.root / key[:2])
+    shutil.rmtree(disk.path_for(key).parent.parent)
     await disk.set(key, [b"two"])
     assert await disk.get(key) == b"two"
 
@@ -447,7 +447,7 @@ async def test_restart_sweeps_stale_temporaries_and_keeps_fresh_ones(tmp_path: P
     shard = first.path_for(key).parent
     stale = shard / f"{key}.kvc.tmp-12345-deadbeef"
     fresh = shard / f"{key}.kvc.tmp-12346-cafebabe"
-    other_shard = root / "00" / "11"
+    other_shard = root / "another-namespace" / "00" / "11"  # swept in every namespace
     other_shard.mkdir(parents=True)
     stale_elsewhere = other_shard / f"0011{'0' * 60}.kvc.tmp-1-00000000"
     for path in (stale, fresh, stale_elsewhere):

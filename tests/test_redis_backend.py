@@ -143,7 +143,7 @@ async def test_ttl_set_and_refreshed(target: tuple[str, bool], make_backend: Cal
     key, other = chunk_key(1), chunk_key(2)
     value = bytes(range(256)) * 40
     with raw_client(url, is_cluster) as raw:
-        name = f"{backend.prefix}:{key}"
+        name = f"{backend.prefix}:default:{key}"
         await backend.set(key, [value])
         assert 0.9 * TTL * 1000 < raw.pttl(name) <= TTL * 1000
 
@@ -162,8 +162,8 @@ async def test_ttl_set_and_refreshed(target: tuple[str, bool], make_backend: Cal
         assert await backend.exists(key) and raw.pttl(name) <= 5000
 
         await plain.set(other, [b"no ttl", b" here"])
-        assert raw.pttl(f"{plain.prefix}:{other}") == -1  # persistent
-        assert await plain.get(other) == b"no ttl here" and raw.pttl(f"{plain.prefix}:{other}") == -1
+        assert raw.pttl(f"{plain.prefix}:default:{other}") == -1  # persistent
+        assert await plain.get(other) == b"no ttl here" and raw.pttl(f"{plain.prefix}:default:{other}") == -1
 
     with pytest.raises(ValueError):
         RedisBackend(url, ttl=0)
@@ -208,9 +208,9 @@ async def test_get_into_reads_pieces_into_caller_buffers(
     out = bytearray(len(value) + 100)
     views = [memoryview(out)[:10], memoryview(out)[10:10], memoryview(out)[10:3_000_000], memoryview(out)[3_000_000:]]
     with raw_client(url, is_cluster) as raw:
-        raw.pexpire(f"{backend.prefix}:{key}", 5000)
+        raw.pexpire(f"{backend.prefix}:default:{key}", 5000)
         assert await backend.get_into(key, views) == len(value)
-        assert raw.pttl(f"{backend.prefix}:{key}") > 0.9 * TTL * 1000  # a whole read refreshes the TTL
+        assert raw.pttl(f"{backend.prefix}:default:{key}") > 0.9 * TTL * 1000  # a whole read refreshes the TTL
     assert bytes(out[: len(value)]) == value and out[len(value) :] == bytes(100)
 
     small = bytearray(1000)  # smaller buffers: the leading bytes, and the object's full size
@@ -233,7 +233,7 @@ async def test_multi_part_set_is_sent_without_gathering(
     assert await backend.get(chunk_key(6)) == expected[6:-4]
     assert not backend._scratch
     raw = redis.Redis.from_url(server.url)
-    assert 0 < raw.pttl(f"{backend.prefix}:{chunk_key(6)}") <= 60_000
+    assert 0 < raw.pttl(f"{backend.prefix}:default:{chunk_key(6)}") <= 60_000
     raw.close()
     server.stop()
     server.start()  # the pooled connection is now dead: the next SET retries on a fresh one
@@ -263,12 +263,12 @@ async def test_cluster_pipelines_span_all_nodes(
     cluster: RedisClusterServer, make_backend: Callable[..., RedisBackend]
 ) -> None:
     backend = make_backend(cluster.url, cluster=True)
-    keys, owners = keys_on_every_node(cluster, backend.prefix)
+    keys, owners = keys_on_every_node(cluster, f"{backend.prefix}:default")
     assert set(owners.values()) == set(cluster.ports)  # CLUSTER KEYSLOT + CLUSTER SLOTS: three owners
     for key in keys:
         await backend.set(key, [key.encode()])
     for port in cluster.ports:  # and each node really holds its share
-        assert local_keys(port, backend.prefix) == {k for k in keys if owners[k] == port}
+        assert local_keys(port, f"{backend.prefix}:default") == {k for k in keys if owners[k] == port}
 
     requests = int(backend.stats()["requests"])
     assert await backend.get_many(keys) == [key.encode() for key in keys]
@@ -455,7 +455,7 @@ async def test_cluster_survives_losing_a_node(make_backend: Callable[..., RedisB
     with RedisClusterServer(nodes=3) as shaky:
         relax_coverage(shaky)
         backend = make_backend(shaky.url, cluster=True, **FAST)
-        keys, owners = keys_on_every_node(shaky, backend.prefix)
+        keys, owners = keys_on_every_node(shaky, f"{backend.prefix}:default")
         for key in keys:
             await backend.set(key, [key.encode()])
         lost = shaky.ports[1]

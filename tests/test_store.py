@@ -272,7 +272,7 @@ async def test_corrupt_disk_file_is_a_counted_miss_and_removed(tmp_path: Path) -
     async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
         for i, key in enumerate(keys):
             await store.put(key, make_chunk(i))
-    backend = DiskBackend(tmp_path / "disk", 1 << 30)
+    backend = DiskBackend(tmp_path / "disk", 1 << 30, namespace="test")
     path = backend.path_for(keys[1])
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x10  # a bit flip in the last layer's bytes
@@ -365,7 +365,7 @@ async def test_a_chunk_already_on_disk_is_not_written_again(tmp_path: Path) -> N
         await store.flush()
         stats = store.stats()["disk"]
         assert stats["writes"] == 1 and stats["skipped"] == 1
-        path = DiskBackend(tmp_path / "disk", 1 << 30).path_for(key)
+        path = store.tiers[0].backend.path_for(key)
         path.unlink()  # another process evicted it: the next put writes it again
         store.pool.discard(key)
         await store.put(key, make_chunk(0))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from kvstore.buffers import Buffer, as_bytes_view
@@ -18,9 +19,51 @@ ByteRange = tuple[int, int]
 """Half-open ``(start, end)`` byte range of an object."""
 
 
+LIST_PAGE = 1000  # objects per listing page and per batch delete (S3 DeleteObjects takes at most 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """A chunk object as a listing saw it: enough to choose it, and to delete it only if unchanged."""
+
+    namespace: str  # its namespace directory (kvstore.keys.namespace_dir)
+    key: str
+    size: int  # bytes the tier spends on it
+    when: float  # Unix time of its last write, or of its last access where the tier records one
+    version: tuple[object, ...]  # this exact object: a rewrite (and, where recorded, an access) changes it
+
+
+@dataclass
+class RemoveReport:
+    """What a batch delete did; tools add these up for their summary."""
+
+    removed: int = 0
+    removed_bytes: int = 0
+    changed: int = 0  # rewritten or used since it was listed: kept
+    gone: int = 0  # already absent (evicted, expired, another gc): nothing to do
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: RemoveReport) -> None:
+        self.removed += other.removed
+        self.removed_bytes += other.removed_bytes
+        self.changed += other.changed
+        self.gone += other.gone
+        self.errors.extend(other.errors)
+
+    @property
+    def handled(self) -> int:
+        return self.removed + self.changed + self.gone + len(self.errors)
+
+
+Progress = Callable[[RemoveReport], None]
+"""Called after each batch of a removal with that batch's report (for progress bars)."""
+
+
 class Backend(ABC):
     name: ClassVar[str]
     supports_partial_reads: ClassVar[bool] = True
+    # What StoredObject.when means here: "last write" or "last access" (reads refresh it).
+    age_basis: ClassVar[str] = "last write"
     # Bytes a range request should carry to amortize its round trip: layer streams coalesce
     # consecutive layers up to this size. 0: one layer per request (round trips are cheap).
     range_request_bytes: ClassVar[int] = 0
@@ -78,6 +121,31 @@ class Backend(ABC):
     def stats(self) -> dict[str, int | float | str]:
         """Backend-specific figures (bytes used, objects held) merged into the tier's stats."""
         return {}
+
+    # -- for the operator's tools (kvstore ls / stats / gc / verify): every namespace -----------
+
+    def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
+        """Every chunk object of every namespace ``namespaces`` accepts (default all), a page at a time."""
+        raise NotImplementedError(f"the {self.name} backend cannot be listed by the kvstore tools")
+
+    async def read_object(self, item: StoredObject) -> bytes | None:
+        """The listed object's bytes (None if it is gone), for ``kvstore verify``."""
+        raise NotImplementedError(f"the {self.name} backend cannot be read by the kvstore tools")
+
+    def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
+        """``item`` as :meth:`read_object` found it, for a removal that must spare a rewritten object.
+
+        The listing's version, unless reading changes what it records (Redis: the idle time).
+        """
+        return item
+
+    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+        """Delete each object only if it is still the one listed (same ``version``), in batches.
+
+        Safe beside live engines: a reader of a removed chunk sees a miss, and a chunk rewritten
+        or (where recorded) read since it was listed is kept, counted as ``changed``.
+        """
+        raise NotImplementedError(f"the {self.name} backend cannot be cleaned by the kvstore tools")
 
 
 class ChunkReader(Protocol):

@@ -1,6 +1,8 @@
 """Local disk (NVMe) tier: one file per chunk, atomic, private, bounded, and restart-proof.
 
-- Files live at ``root/ab/cd/<key>.kvc`` (two levels of 256 directories keep listings small).
+- Files live at ``root/<namespace>/ab/cd/<key>.kvc``: the namespace directory
+  (:func:`kvstore.keys.namespace_dir`) lets ``kvstore gc`` and ``ls`` work per model, and two
+  levels of 256 directories keep listings small. The byte budget covers every namespace.
 - A write goes to a private temporary name, then ``os.replace`` puts it in place: a reader,
   in this process or another one sharing the directory, sees a whole file or none.
 - Files are created 0600 and directories 0700: KV caches reveal prompts.
@@ -20,12 +22,13 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
-from kvstore.backends.base import ByteRange, LocalBackend
+from kvstore.backends.base import LIST_PAGE, ByteRange, LocalBackend, Progress, RemoveReport, StoredObject
 from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.threads import in_thread
 
 log = logging.getLogger("kvstore.disk")
@@ -48,14 +51,19 @@ class DiskBackend(LocalBackend):
         *,
         fsync: bool = False,
         executor: Executor | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
     ):
+        if not is_namespace_dir(namespace):
+            raise ValueError(f"{namespace!r} is not a namespace directory name (see kvstore.keys.namespace_dir)")
         self.root = Path(root).expanduser()
+        self.namespace = namespace
         self._root_text = str(self.root)
         self.capacity_bytes = int(capacity_bytes)
         self.fsync = fsync
         self._executor = executor
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recent first
+        # file path below root ("ns/ab/cd/key.kvc") -> size, least recent first; every namespace's files
+        self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self.evictions = 0
 
@@ -66,9 +74,13 @@ class DiskBackend(LocalBackend):
 
     def _file(self, key: str) -> str:
         """The file name as a string: pathlib objects cost microseconds on every read."""
+        return f"{self._root_text}/{self._relative(key)}"
+
+    def _relative(self, key: str, namespace: str | None = None) -> str:
+        """The file's path below the root: its name in the LRU index."""
         if not _KEY_PATTERN.fullmatch(key):
             raise ValueError(f"disk keys are 8-128 lowercase hex characters, got {key!r}")
-        return f"{self._root_text}/{key[:2]}/{key[2:4]}/{key}{SUFFIX}"
+        return f"{namespace or self.namespace}/{key[:2]}/{key[2:4]}/{key}{SUFFIX}"
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -80,17 +92,17 @@ class DiskBackend(LocalBackend):
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         found: list[tuple[float, str, int]] = []
         now = time.time()
-        for path, stat in _walk_files(self.root):
+        for namespace, path, stat in _walk_files(self.root):
             name = path.name
             if _TMP_MARK in name:
-                if now - stat.st_mtime > STALE_TMP_SECONDS:  # left by a writer that died
+                if now - stat.st_mtime > STALE_TMP_SECONDS:  # left by a writer (or a gc) that died
                     _unlink_quietly(path)
                 continue
             if name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
-                found.append((stat.st_mtime, name[: -len(SUFFIX)], stat.st_size))
+                found.append((stat.st_mtime, self._relative(name[: -len(SUFFIX)], namespace), stat.st_size))
         found.sort()
         with self._lock:
-            self._index = OrderedDict((key, size) for _, key, size in found)
+            self._index = OrderedDict((relative, size) for _, relative, size in found)
             self._used = sum(size for _, _, size in found)
         log.info(
             "disk tier %s: %d chunk files, %.1f MiB, budget %.1f MiB",
@@ -150,7 +162,7 @@ class DiskBackend(LocalBackend):
 
     async def exists(self, key: str) -> bool:
         with self._lock:
-            if key in self._index:
+            if self._relative(key) in self._index:
                 return True
         return await in_thread(self._executor, self.contains, key)
 
@@ -178,7 +190,7 @@ class DiskBackend(LocalBackend):
     def holds(self, key: str) -> bool:
         """Whether this process has seen the file (no I/O): used to skip rewriting a chunk."""
         with self._lock:
-            return key in self._index
+            return self._relative(key) in self._index
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -219,7 +231,7 @@ class DiskBackend(LocalBackend):
         except FileNotFoundError:  # first write in this shard, or the directory was removed under us
             shard = Path(temporary).parent
             # Each level 0700: mkdir(parents=True) would create root/ab with the default 0755.
-            for directory in (self.root, shard.parent, shard):
+            for directory in (self.root, shard.parent.parent, shard.parent, shard):
                 directory.mkdir(mode=0o700, parents=directory == self.root, exist_ok=True)
             return os.open(temporary, flags, 0o600)
 
@@ -231,22 +243,99 @@ class DiskBackend(LocalBackend):
         self._forget(key)
 
     async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
-        paths = await in_thread(self._executor, lambda: [p for p, _ in _walk_files(self.root)])
-        for path in paths:
+        """This namespace's keys."""
+        found = await in_thread(self._executor, _walk_files, self.root, {self.namespace}.__contains__)
+        for _, path, _ in found:
             name = path.name
             if name.endswith(SUFFIX) and _TMP_MARK not in name and name.startswith(prefix):
                 yield name[: -len(SUFFIX)]
 
+    # -- for the operator's tools: every namespace ----------------------------------------------
+
+    age_basis = "last access"  # a hit refreshes the file's mtime (at most every MTIME_REFRESH_SECONDS)
+
+    async def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
+        found = await in_thread(self._executor, _walk_files, self.root, namespaces)
+        page: list[StoredObject] = []
+        for namespace, path, stat in found:
+            name = path.name
+            if _TMP_MARK in name or not name.endswith(SUFFIX) or not _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
+                continue
+            version = (stat.st_ino, stat.st_mtime_ns)
+            page.append(StoredObject(namespace, name[: -len(SUFFIX)], stat.st_size, stat.st_mtime, version))
+            if len(page) == LIST_PAGE:
+                yield page
+                page = []
+        if page:
+            yield page
+
+    async def read_object(self, item: StoredObject) -> bytes | None:
+        def read() -> bytes | None:
+            try:
+                with open(f"{self._root_text}/{self._relative(item.key, item.namespace)}", "rb", buffering=0) as file:
+                    return file.read()
+            except FileNotFoundError:
+                return None
+
+        return await in_thread(self._executor, read)
+
+    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+        total = RemoveReport()
+        for start in range(0, len(items), LIST_PAGE):
+            report = await in_thread(self._executor, self._remove_batch, items[start : start + LIST_PAGE])
+            total.add(report)
+            if progress is not None:
+                progress(report)
+        return total
+
+    def _remove_batch(self, items: Sequence[StoredObject]) -> RemoveReport:
+        """Each file is first renamed aside, atomically, then checked: exact even against a racing writer.
+
+        A check before a plain unlink would leave a window in which a fresh file could be renamed
+        into place and then deleted. A file that turns out changed is linked back, unless an even
+        newer one has arrived meanwhile (a key's bytes never change, so either will do).
+        """
+        report = RemoveReport()
+        for item in items:
+            path = f"{self._root_text}/{self._relative(item.key, item.namespace)}"
+            aside = f"{path}{_TMP_MARK}gc-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                report.gone += 1
+                continue
+            except OSError as exc:
+                report.errors.append(f"{path}: {exc.strerror}")
+                continue
+            try:
+                stat = os.stat(aside)
+                if (stat.st_ino, stat.st_mtime_ns) == item.version:
+                    os.unlink(aside)
+                    report.removed += 1
+                    report.removed_bytes += stat.st_size
+                    continue
+                report.changed += 1
+                try:
+                    os.link(aside, path)
+                except FileExistsError:
+                    pass
+                os.unlink(aside)
+            except OSError as exc:
+                report.errors.append(f"{path}: {exc.strerror}")
+        return report
+
     # -- index and budget --------------------------------------------------------------------
 
     def _remember(self, key: str, size: int) -> None:
+        relative = self._relative(key)
         with self._lock:
-            self._used += size - self._index.pop(key, 0)
-            self._index[key] = size
+            self._used += size - self._index.pop(relative, 0)
+            self._index[relative] = size
 
     def _forget(self, key: str) -> None:
+        relative = self._relative(key)
         with self._lock:
-            self._used -= self._index.pop(key, 0)
+            self._used -= self._index.pop(relative, 0)
 
     def _touch(self, key: str, size: int | None, mtime: float | None) -> None:
         """Mark a hit: most recent in the index and, for the next start, in the file's mtime.
@@ -254,11 +343,12 @@ class DiskBackend(LocalBackend):
         The mtime is refreshed at most every MTIME_REFRESH_SECONDS: each refresh dirties the
         inode, and a hot chunk would otherwise cost a journal write per read.
         """
+        relative = self._relative(key)
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            if relative in self._index:
+                self._index.move_to_end(relative)
             elif size is not None:
-                self._index[key] = size
+                self._index[relative] = size
                 self._used += size
         if size is not None:
             self._evict_to(self.capacity_bytes, keep=key)  # no-op unless another process's file pushed us over
@@ -270,16 +360,17 @@ class DiskBackend(LocalBackend):
             pass
 
     def _evict_to(self, budget: int, keep: str | None) -> None:
+        kept = None if keep is None else self._relative(keep)
         while True:
             with self._lock:
                 if self._used <= budget:
                     return
-                victim = next((k for k in self._index if k != keep), None)
+                victim = next((k for k in self._index if k != kept), None)
                 if victim is None:
                     return
                 self._used -= self._index.pop(victim)
                 self.evictions += 1
-            _unlink_quietly(self._file(victim))
+            _unlink_quietly(f"{self._root_text}/{victim}")
 
     def stats(self) -> dict[str, int | float | str]:
         with self._lock:
@@ -312,21 +403,29 @@ class FileReader:
         self.close()
 
 
-def _walk_files(root: Path) -> list[tuple[Path, os.stat_result]]:
-    """Every file two directory levels below ``root`` (the shard layout), with its stat."""
-    found: list[tuple[Path, os.stat_result]] = []
-    for top in _scandir_quietly(root):
-        if not top.is_dir(follow_symlinks=False):
+def _walk_files(root: Path, namespaces: Callable[[str], bool] | None = None) -> list[tuple[str, Path, os.stat_result]]:
+    """Every file in the shard layout (``ns/ab/cd/file``) with its namespace and stat.
+
+    ``namespaces`` picks the namespace directories to enter (default: all).
+    """
+    found: list[tuple[str, Path, os.stat_result]] = []
+    for space in _scandir_quietly(root):
+        if not space.is_dir(follow_symlinks=False) or not is_namespace_dir(space.name):
             continue
-        for middle in _scandir_quietly(Path(top.path)):
-            if not middle.is_dir(follow_symlinks=False):
+        if namespaces is not None and not namespaces(space.name):
+            continue
+        for top in _scandir_quietly(Path(space.path)):
+            if not top.is_dir(follow_symlinks=False):
                 continue
-            for entry in _scandir_quietly(Path(middle.path)):
-                try:
-                    if entry.is_file(follow_symlinks=False):
-                        found.append((Path(entry.path), entry.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue  # removed by another process while we looked
+            for middle in _scandir_quietly(Path(top.path)):
+                if not middle.is_dir(follow_symlinks=False):
+                    continue
+                for entry in _scandir_quietly(Path(middle.path)):
+                    try:
+                        if entry.is_file(follow_symlinks=False):
+                            found.append((space.name, Path(entry.path), entry.stat(follow_symlinks=False)))
+                    except FileNotFoundError:
+                        continue  # removed by another process while we looked
     return found
 
 

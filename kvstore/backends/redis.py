@@ -1,6 +1,6 @@
 """Redis tier on ``redis.asyncio``: the same code drives one server or a Redis Cluster.
 
-Layout: one value per chunk, under ``{prefix}:{chunk key}``, holding the whole chunk container.
+Layout: one value per chunk, under ``{prefix}:{namespace}:{chunk key}``, holding the whole chunk container.
 A layer is one GETRANGE of it (the container's header gives the offsets), so a layer is read and
 decoded on its own without per-layer keys. One value rather than a key per layer because:
 
@@ -24,8 +24,11 @@ The URL's password is never shown: ``url``, ``repr()``, logs and error texts mas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -39,8 +42,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstore.backends.base import Backend, ByteRange
+from kvstore.backends.base import LIST_PAGE, Backend, ByteRange, Progress, RemoveReport, StoredObject
 from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 
 log = logging.getLogger("kvstore.redis")
 T = TypeVar("T")
@@ -89,12 +93,15 @@ class RedisBackend(Backend):
         max_connections: int = 32,
         connect_timeout: float = 2.0,
         socket_timeout: float = 30.0,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
+        if not is_namespace_dir(namespace):
+            raise ValueError(f"{namespace!r} is not a namespace directory name (see kvstore.keys.namespace_dir)")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"redis ttl must be positive seconds or None, got {ttl!r}")
         self._url = url or os.environ.get("REDIS_URL") or DEFAULT_URL
         self.url, self._secrets = mask_url(self._url), _secrets(self._url)
-        self.cluster, self.prefix, self.ttl = cluster, prefix, ttl
+        self.cluster, self.prefix, self.ttl, self.namespace = cluster, prefix, ttl, namespace
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
         self.max_connections = max_connections
         self.connect_timeout, self.socket_timeout = connect_timeout, socket_timeout
@@ -156,8 +163,8 @@ class RedisBackend(Backend):
 
     # -- calls -------------------------------------------------------------------------------
 
-    def _name(self, key: str) -> str:
-        return f"{self.prefix}:{key}"
+    def _name(self, key: str, namespace: str | None = None) -> str:
+        return f"{self.prefix}:{namespace or self.namespace}:{key}"
 
     async def _call(self, what: str, fn: Callable[[Any], Awaitable[T]]) -> T:
         """Run one request under the deadline; count it; keep the password out of any error."""
@@ -321,8 +328,8 @@ class RedisBackend(Backend):
 
     async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
         """SCAN with MATCH (on a Cluster redis-py scans every primary); each batch under the deadline."""
-        pattern = f"{self.prefix.translate(_GLOB_SPECIALS)}:{prefix.translate(_GLOB_SPECIALS)}*"
-        strip = len(self.prefix) + 1
+        pattern = f"{self._name(prefix).translate(_GLOB_SPECIALS)}*"  # namespace directories hold no specials
+        strip = len(self._name(""))
         scan: Any = self._connect().scan_iter(match=pattern, count=1000)  # an async generator
         try:
             while True:
@@ -353,6 +360,133 @@ class RedisBackend(Backend):
     def stats(self) -> dict[str, int | float | str]:
         names = ("requests", "errors", "timeouts", "connection_errors", "bytes_in", "bytes_out")
         return {name: getattr(self, name) for name in names}
+
+    # -- for the operator's tools: every namespace ----------------------------------------------
+
+    age_basis = "last access"  # Redis keeps each key's idle time; reads and writes restart it
+
+    async def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
+        """SCAN (never KEYS) a thousand names at a time, then one pipeline of OBJECT IDLETIME and
+        MEMORY USAGE per page: neither counts as an access, so listing leaves the ages alone.
+        """
+        scan: Any = self._connect().scan_iter(match=f"{self.prefix.translate(_GLOB_SPECIALS)}:*", count=LIST_PAGE)
+        names: list[tuple[str, str, str]] = []
+        try:
+            while True:
+                try:
+                    raw = await self._call("SCAN", lambda _: anext(scan))
+                except StopAsyncIteration:
+                    break
+                name = raw.decode() if isinstance(raw, bytes) else raw
+                namespace, _, key = name[len(self.prefix) + 1 :].partition(":")
+                if is_namespace_dir(namespace) and _CHUNK_KEY.fullmatch(key):
+                    if namespaces is None or namespaces(namespace):
+                        names.append((name, namespace, key))
+                if len(names) == LIST_PAGE:
+                    yield await self._describe(names)
+                    names = []
+        finally:
+            await scan.aclose()
+        if names:
+            yield await self._describe(names)
+
+    async def _describe(self, names: list[tuple[str, str, str]]) -> list[StoredObject]:
+        def fill(pipe: Any) -> None:
+            for name, _, _ in names:
+                pipe.object("IDLETIME", name)
+                pipe.memory_usage(name, samples=0)
+
+        try:
+            replies = await self._pipe("OBJECT IDLETIME", fill)
+        except RedisError as exc:
+            if "LFU" in str(exc):
+                raise RuntimeError(
+                    f"redis tier {self.url}: an LFU maxmemory-policy keeps no idle times, so chunk ages are "
+                    "unknown; use --max-bytes, or let Redis evict (or set redis.ttl)"
+                ) from None
+            raise
+        listed_at, now = time.monotonic(), time.time()
+        page = []
+        for (_, namespace, key), idle, size in zip(names, replies[::2], replies[1::2], strict=True):
+            if idle is None or size is None:
+                continue  # expired or deleted since SCAN saw it
+            page.append(StoredObject(namespace, key, int(size), now - int(idle), ("idle", int(idle), listed_at)))
+        return page
+
+    async def read_object(self, item: StoredObject) -> bytes | None:
+        name = self._name(item.key, item.namespace)
+        data: bytes | None = await self._call("GET", lambda c: c.get(name))
+        self.bytes_in += len(data or b"")
+        return data
+
+    def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
+        """Reading restarted the key's idle time, so the removal checks the bytes read instead."""
+        return dataclasses.replace(item, version=("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest()))
+
+    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+        """A pipeline of a thousand small scripts, each an atomic check-then-UNLINK of one key.
+
+        The check: the key's idle time shows no access since the listing (or, after ``verify``
+        read it, its bytes are the ones read). One key per script: on a Cluster a script may only
+        touch keys of one slot.
+        """
+        total = RemoveReport()
+        for start in range(0, len(items), LIST_PAGE):
+            batch = items[start : start + LIST_PAGE]
+            now = time.monotonic()
+            conditions = [_condition(item, now) for item in batch]
+
+            def fill(
+                pipe: Any, batch: Sequence[StoredObject] = batch, conditions: list[tuple[str, str]] = conditions
+            ) -> None:
+                for item, (kind, value) in zip(batch, conditions, strict=True):
+                    pipe.eval(_REMOVE_IF_UNCHANGED, 1, self._name(item.key, item.namespace), kind, value)
+
+            report = RemoveReport()
+            try:
+                outcomes = await self._pipe("EVAL", fill)
+            except _ERRORS as exc:
+                report.errors.extend(f"{self.prefix}:{item.namespace}:{item.key}: {self._scrub(exc)}" for item in batch)
+                outcomes = []
+            for item, outcome in zip(batch, outcomes, strict=False):
+                if outcome == 1:
+                    report.removed += 1
+                    report.removed_bytes += item.size
+                elif outcome == 0:
+                    report.changed += 1
+                else:
+                    report.gone += 1
+            total.add(report)
+            if progress is not None:
+                progress(report)
+        return total
+
+
+# KEYS[1]: the chunk. ARGV: "idle" and the least idle seconds it must show, or "sha1" and its bytes' SHA-1.
+# Returns -1 (gone), 0 (changed: kept) or 1 (removed). OBJECT IDLETIME does not touch the key.
+_REMOVE_IF_UNCHANGED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if ARGV[1] == 'idle' then
+  if redis.call('OBJECT', 'IDLETIME', KEYS[1]) < tonumber(ARGV[2]) then return 0 end
+elseif redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[2] then return 0 end
+redis.call('UNLINK', KEYS[1])
+return 1
+"""
+_CHUNK_KEY = re.compile(r"[0-9a-f]{8,128}")
+
+
+def _condition(item: StoredObject, now: float) -> tuple[str, str]:
+    """The script's check for a listed object: unchanged bytes, or no access since the listing.
+
+    Untouched, a key's idle time grows with the clock; idle times count whole seconds on a
+    clock Redis updates every 100 ms, so one second of slack: a key listed idle for over 3 s
+    and read or written since is always caught (younger keys are never max-age victims).
+    """
+    kind, *rest = item.version
+    if kind == "sha1":
+        return "sha1", str(rest[0])
+    idle, listed_at = rest
+    return "idle", str(int(idle) + max(0, int(now - float(listed_at)) - 1))
 
 
 async def _set_parts(client: Redis, name: str, views: list[memoryview], size: int, ttl_ms: int | None) -> None:

@@ -1,4 +1,4 @@
-"""S3 tier on aiobotocore: one object per chunk under ``<prefix>/<key>``.
+"""S3 tier on aiobotocore: one object per chunk under ``<prefix>/<namespace>/<key>``.
 
 - Works with AWS and with path-style servers (MinIO, SeaweedFS, moto, LocalStack): "auto"
   addressing means path style whenever a custom endpoint is configured (LMCache #3376).
@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Literal
 
@@ -24,8 +24,9 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
-from kvstore.backends.base import Backend, ByteRange
+from kvstore.backends.base import Backend, ByteRange, Progress, RemoveReport, StoredObject
 from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 
 log = logging.getLogger("kvstore.s3")
 
@@ -61,6 +62,7 @@ class S3Backend(Backend):
         connect_timeout: float = 2.0,
         read_timeout: float = 30.0,
         create_bucket: bool = False,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
         if part_size < _MIN_PART:
             raise ValueError(f"part_size must be at least {_MIN_PART} bytes (an S3 limit), got {part_size}")
@@ -85,7 +87,11 @@ class S3Backend(Backend):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._base = f"{self.prefix}/" if self.prefix else ""
+        if not is_namespace_dir(namespace):
+            raise ValueError(f"{namespace!r} is not a namespace directory name (see kvstore.keys.namespace_dir)")
+        self.namespace = namespace
+        self._base = f"{self.prefix}/" if self.prefix else ""  # every namespace's objects are below it
+        self._own = f"{self._base}{namespace}/"  # this namespace's objects
         self._limit = asyncio.Semaphore(max_concurrency)
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
@@ -157,7 +163,7 @@ class S3Backend(Backend):
     def _name(self, key: str) -> str:
         if not _KEY_PATTERN.fullmatch(key):
             raise ValueError(f"s3 keys are 8-128 lowercase hex characters, got {key!r}")
-        return self._base + key
+        return self._own + key
 
     async def _call(self, operation: str, **params: Any) -> dict[str, Any]:
         """One API call under the concurrency limit, counted (with botocore's retries)."""
@@ -269,17 +275,155 @@ class S3Backend(Backend):
         return present + 1
 
     async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
-        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._base + prefix}
-        while True:
-            page = await self._call("list_objects_v2", **params)
-            for entry in page.get("Contents", ()):
-                key = entry["Key"][len(self._base) :]
+        """This namespace's keys."""
+        async for page in self._list_pages(self._own + prefix):
+            for entry in page:
+                key = entry["Key"][len(self._own) :]
                 if _KEY_PATTERN.fullmatch(key):
                     yield key
+
+    async def _list_pages(self, prefix: str, delimiter: str | None = None) -> AsyncIterator[list[dict[str, Any]]]:
+        """ListObjectsV2 page by page (1000 entries each); with a delimiter, the common prefixes instead."""
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if delimiter:
+            params["Delimiter"] = delimiter
+        while True:
+            page = await self._call("list_objects_v2", **params)
+            yield page.get("CommonPrefixes", []) if delimiter else page.get("Contents", [])
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
             params["ContinuationToken"] = token
+
+    # -- for the operator's tools: every namespace ----------------------------------------------
+
+    async def _namespaces(self, accept: Callable[[str], bool] | None) -> list[str]:
+        found = []
+        async for page in self._list_pages(self._base, delimiter="/"):
+            for entry in page:
+                name = entry["Prefix"][len(self._base) :].rstrip("/")
+                if is_namespace_dir(name) and (accept is None or accept(name)):
+                    found.append(name)
+        return found
+
+    async def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
+        for namespace in await self._namespaces(namespaces):
+            async for page in self._scan_namespace(namespace):
+                yield page
+
+    async def _scan_namespace(self, namespace: str) -> AsyncIterator[list[StoredObject]]:
+        start = len(self._base) + len(namespace) + 1
+        async for entries in self._list_pages(f"{self._base}{namespace}/"):
+            page = []
+            for entry in entries:
+                key = entry["Key"][start:]
+                if _KEY_PATTERN.fullmatch(key):
+                    modified = entry["LastModified"]
+                    version = (entry.get("ETag", ""), modified.timestamp())
+                    page.append(StoredObject(namespace, key, int(entry["Size"]), modified.timestamp(), version))
+            yield page
+
+    async def read_object(self, item: StoredObject) -> bytes | None:
+        try:
+            response = await self._call(
+                "get_object", Bucket=self.bucket, Key=f"{self._base}{item.namespace}/{item.key}"
+            )
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return None
+            raise
+        async with response["Body"] as body:
+            data: bytes = await body.read()
+        self.bytes_downloaded += len(data)
+        return data
+
+    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+        """List each namespace again, then DeleteObjects (1000 a request) what is still as first listed.
+
+        S3 has no delete conditional on the modification time for general-purpose buckets (an
+        ETag condition would not do: a rewritten chunk has the same bytes, so the same ETag), so
+        the check is a fresh listing, page by page, each page's deletes sent right after it: a
+        write is missed only if it lands in the milliseconds between a page and its delete.
+        """
+        total = RemoveReport()
+        wanted: dict[str, dict[str, StoredObject]] = {}
+        for item in items:
+            wanted.setdefault(item.namespace, {})[item.key] = item
+        for namespace, victims in wanted.items():
+            async for page in self._scan_namespace(namespace):
+                report, doomed = RemoveReport(), []
+                for now in page:
+                    listed = victims.pop(now.key, None)
+                    if listed is None:
+                        continue
+                    if now.version == listed.version:
+                        doomed.append(now)
+                    else:
+                        report.changed += 1
+                if doomed:
+                    report.add(await self._delete_batch(doomed))
+                if report.handled:
+                    total.add(report)
+                    if progress is not None:
+                        progress(report)
+                if not victims:
+                    break
+            if victims:  # not listed again: gone already
+                report = RemoveReport(gone=len(victims))
+                total.add(report)
+                if progress is not None:
+                    progress(report)
+        return total
+
+    async def _delete_batch(self, doomed: list[StoredObject]) -> RemoveReport:
+        """One DeleteObjects (at most 1000 keys, one listing page); per-key failures are reported."""
+        report = RemoveReport()
+        names = {f"{self._base}{item.namespace}/{item.key}": item for item in doomed}
+        try:
+            response = await self._call(
+                "delete_objects",
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": name} for name in names], "Quiet": True},
+            )
+        except (ClientError, BotoCoreError, OSError) as exc:
+            report.errors.extend(f"{name}: {type(exc).__name__}: {exc}" for name in names)
+            return report
+        failed = {error["Key"]: error for error in response.get("Errors", [])}
+        for name, item in names.items():
+            if name in failed:
+                report.errors.append(f"{name}: {failed[name].get('Code')}: {failed[name].get('Message')}")
+            else:
+                report.removed += 1
+                report.removed_bytes += item.size
+        return report
+
+    async def install_expiration(self, days: int, namespace: str | None = None) -> dict[str, Any]:
+        """Add (or replace) a lifecycle rule expiring kvstore's objects ``days`` after their last write.
+
+        Other rules on the bucket are kept. The rule's ID names the prefix, so installing again
+        updates it rather than adding a second one. Returns the rule.
+        """
+        if days < 1:
+            raise ValueError("S3 lifecycle expiration counts whole days: use a max age of at least 1 day")
+        prefix = self._base if namespace is None else f"{self._base}{namespace}/"
+        rule = {
+            "ID": f"kvstore-expire:{prefix or '(bucket)'}",
+            "Filter": {"Prefix": prefix},
+            "Status": "Enabled",
+            "Expiration": {"Days": days},
+            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
+        }
+        try:
+            current = await self._call("get_bucket_lifecycle_configuration", Bucket=self.bucket)
+            rules = [r for r in current.get("Rules", []) if r.get("ID") != rule["ID"]]
+        except ClientError as exc:
+            if _code(exc) != "NoSuchLifecycleConfiguration":
+                raise
+            rules = []
+        await self._call(
+            "put_bucket_lifecycle_configuration", Bucket=self.bucket, LifecycleConfiguration={"Rules": [*rules, rule]}
+        )
+        return rule
 
     # -- writes ------------------------------------------------------------------------------
 
