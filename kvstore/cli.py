@@ -1,4 +1,5 @@
-"""The ``kvstore`` command line: ``demo``, ``bench``, ``dev-servers``, ``version``."""
+"""The ``kvstore`` command line: ``demo``, ``bench``, ``dev-servers``, ``version``, and the operator's
+tools ``ls``, ``stats``, ``gc`` and ``verify`` (in :mod:`kvstore.admin_cli`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="kvstore: a tiered KV-cache store for LLM inference engines.", no_args_is_help=True)
+from kvstore import admin_cli
+
+app = typer.Typer(
+    help="kvstore: a tiered KV-cache store for LLM inference engines.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
 console = Console(width=120)
+for tool in (admin_cli.ls, admin_cli.stats, admin_cli.gc, admin_cli.verify):
+    app.command()(tool)
 
 
 @app.callback()

@@ -268,3 +268,61 @@ def decode_chunk(
 def _codec_named(name: str) -> CodecPipeline:
     """Codec objects are stateless across chunks (per-thread state lives inside them): share them."""
     return make_codec(name)
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """What ``kvstore verify`` learns from a chunk object without knowing the model's layout."""
+
+    fingerprint: str  # the layout's, hex: which model wrote it
+    codec: str
+    num_layers: int
+    token_count: int
+    encrypted: bool
+
+
+def check_stored_chunk(data: Buffer, key: ChunkKey) -> StoredChunk:
+    """Check every byte of a stored object that should be chunk ``key``, with no layout at hand.
+
+    The header checksum, the key it names, the segment table, the object's length and each
+    segment's checksum: everything the reading tier checks, short of decoding (an encrypted
+    chunk's checksums cover its sealed bytes, so no key is needed). Raises ChunkFormatError.
+    """
+    view = as_bytes_view(data)
+    header_len = header_length(view)
+    if len(view) < header_len:
+        raise ChunkFormatError(f"object is {len(view)} bytes, shorter than its {header_len}-byte header")
+    _, version, flags, _, fingerprint, stored_key, tokens, n_layers, codec_len = _FIXED.unpack_from(view)
+    encrypted = bool(flags & FLAG_ENCRYPTED)
+    if version != VERSION or flags & ~FLAG_ENCRYPTED:
+        raise ChunkFormatError(f"unsupported chunk format version {version} (flags {flags})")
+    if not 0 < n_layers <= MAX_LAYERS or not 0 < codec_len <= MAX_CODEC_NAME:
+        raise ChunkFormatError("header counts out of range")
+    if header_len != header_size(n_layers, "x" * codec_len, encrypted):
+        raise ChunkFormatError(f"header length {header_len} is inconsistent")
+    body_end = header_len - _CHECKSUM.size
+    if _CHECKSUM.unpack_from(view, body_end)[0] != checksum(view[:body_end]):
+        raise ChunkFormatError("header checksum mismatch")
+    if stored_key != key_to_bytes(key):
+        raise ChunkFormatError("chunk holds another key")
+    try:
+        codec = bytes(view[_FIXED.size : _FIXED.size + codec_len]).decode("ascii")
+        _codec_named(codec)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ChunkFormatError(f"unknown codec in header: {exc}") from None
+    table_start = _FIXED.size + codec_len + (KEY_ID_BYTES if encrypted else 0)
+    table = struct.unpack_from(f"<{4 * n_layers}Q", view, table_start)
+    segments = [Segment._make(table[i : i + 4]) for i in range(0, len(table), 4)]
+    offset = 0
+    for i, segment in enumerate(segments):
+        if segment.offset != offset or segment.raw_len != segments[0].raw_len:
+            raise ChunkFormatError(f"segment table entry {i} is inconsistent")
+        offset += segment.stored_len
+    if len(view) != header_len + offset:
+        raise ChunkFormatError(f"object is {len(view)} bytes, header says {header_len + offset}")
+    payload = view[header_len:]
+    for layer, segment in enumerate(segments):
+        stored = payload[segment.offset : segment.offset + segment.stored_len]
+        if checksum(stored) != segment.checksum:
+            raise ChunkFormatError(f"layer {layer} failed its checksum")
+    return StoredChunk(fingerprint.hex(), codec, n_layers, tokens, encrypted)

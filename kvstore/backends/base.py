@@ -186,3 +186,13 @@ class LocalBackend(Backend):
     def holds(self, key: str) -> bool:
         """Whether the object is known to be here without any I/O (a hint: it may be stale)."""
         return False
+
+    def keep(self, key: str) -> bool:
+        """Mark the object as just used, if it exists now: True if it does (blocking).
+
+        The tier calls this instead of rewriting a chunk that is already stored, so the put
+        still counts as a use for eviction and for ``kvstore gc`` (which spares what changed
+        since it listed), atomically: a gc that got there first makes this False, and the
+        tier writes the chunk again.
+        """
+        return self.contains(key)

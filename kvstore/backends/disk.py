@@ -177,6 +177,19 @@ class DiskBackend(LocalBackend):
         self._evict_to(self.capacity_bytes, keep=key)  # it may be another process's file, new to our budget
         return True
 
+    def keep(self, key: str) -> bool:
+        """Refresh the file's mtime if it exists: one atomic call that is both the check and the use."""
+        try:
+            os.utime(self._file(key))
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        relative = self._relative(key)
+        with self._lock:
+            if relative in self._index:
+                self._index.move_to_end(relative)
+        return True
+
     async def prefix_count(self, keys: Sequence[str]) -> int:
         return await in_thread(self._executor, self._prefix_count, keys)
 

@@ -1,0 +1,257 @@
+"""What ``kvstore ls``, ``stats``, ``gc`` and ``verify`` do, apart from printing: list, choose, remove, check.
+
+The tools work on what is stored, in every namespace, without a model layout: each backend
+lists its chunk objects (:meth:`Backend.scan`) with their size and the time of their last write
+or access, and removes objects only if they are still as listed (:meth:`Backend.remove_unchanged`),
+so running them beside live engines is safe. Printing lives in :mod:`kvstore.admin_cli`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+from kvstore.backends.base import Backend, Progress, RemoveReport, StoredObject
+from kvstore.backends.disk import DiskBackend
+from kvstore.config import ConfigError, StoreConfig
+from kvstore.format import ChunkFormatError, check_stored_chunk
+from kvstore.keys import namespace_dir
+
+TIERS = ("disk", "redis", "s3")
+AGE_BUCKETS: tuple[tuple[float, str], ...] = (
+    (3600, "< 1h"),
+    (86400, "1h-1d"),
+    (7 * 86400, "1d-7d"),
+    (30 * 86400, "7d-30d"),
+    (math.inf, ">= 30d"),
+)
+
+
+# -- which tiers and namespaces ----------------------------------------------------------------
+
+
+def enabled_tiers(config: StoreConfig) -> list[str]:
+    return [name for name in TIERS if getattr(config, name).enabled]
+
+
+@asynccontextmanager
+async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None) -> AsyncIterator[dict[str, Backend]]:
+    """The backends of ``tiers`` (default: every tier the config enables), opened for the tools.
+
+    The disk backend is not opened: opening scans for its LRU index and evicts to its budget,
+    which is an engine's business, not a listing's. A bucket is never created here.
+    """
+    from kvstore.store import remote_backend
+
+    names = list(tiers) if tiers else enabled_tiers(config)
+    for name in names:
+        if name not in TIERS:
+            raise ConfigError(f"unknown tier {name!r}; choose from {', '.join(TIERS)}")
+        if not getattr(config, name).enabled:
+            raise ConfigError(
+                f"the {name} tier is not enabled in this configuration; set {name}.enabled = true "
+                f"(or KVSTORE_{name.upper()}__ENABLED=true) and its settings"
+            )
+    backends: dict[str, Backend] = {}
+    async with AsyncExitStack() as stack:
+        for name in names:
+            if name == "disk":
+                backends[name] = DiskBackend(config.disk.path, int(config.disk.capacity))
+                continue
+            section = getattr(config, name)
+            if name == "s3":
+                section = section.model_copy(update={"create_bucket": False})
+            backend = remote_backend(section, config.timeouts)
+            await backend.open()
+            stack.push_async_callback(backend.close)
+            backends[name] = backend
+        yield backends
+
+
+def namespace_filter(patterns: Sequence[str]) -> Callable[[str], bool] | None:
+    """Namespace directories matching any pattern: a namespace as engines name it, or a glob on directories."""
+    if not patterns:
+        return None
+    exact = {namespace_dir(pattern) for pattern in patterns}
+    return lambda name: name in exact or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+async def list_objects(
+    backend: Backend, accept: Callable[[str], bool] | None, on_page: Callable[[int], None] | None = None
+) -> list[StoredObject]:
+    objects: list[StoredObject] = []
+    async for page in backend.scan(accept):
+        objects.extend(page)
+        if on_page is not None:
+            on_page(len(page))
+    return objects
+
+
+# -- ls and stats --------------------------------------------------------------------------------
+
+
+@dataclass
+class NamespaceSummary:
+    tier: str
+    namespace: str
+    chunks: int = 0
+    bytes: int = 0
+    oldest: float = math.inf  # Unix times
+    newest: float = 0.0
+    ages: list[int] = field(default_factory=lambda: [0] * len(AGE_BUCKETS))  # chunks per AGE_BUCKETS bucket
+
+
+def summarize(tier: str, objects: Sequence[StoredObject], now: float) -> list[NamespaceSummary]:
+    """One row per namespace, largest first."""
+    rows: dict[str, NamespaceSummary] = {}
+    for item in objects:
+        row = rows.setdefault(item.namespace, NamespaceSummary(tier, item.namespace))
+        row.chunks += 1
+        row.bytes += item.size
+        row.oldest = min(row.oldest, item.when)
+        row.newest = max(row.newest, item.when)
+        age = now - item.when
+        row.ages[next(i for i, (limit, _) in enumerate(AGE_BUCKETS) if age < limit)] += 1
+    return sorted(rows.values(), key=lambda row: (-row.bytes, row.namespace))
+
+
+# -- gc -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Retention:
+    max_age: float | None = None  # seconds since the last write (or access, where the tier records it)
+    max_bytes: int | None = None  # per tier, over the namespaces selected
+
+    def __post_init__(self) -> None:
+        if self.max_age is None and self.max_bytes is None:
+            raise ValueError("give a maximum age, a byte budget, or both")
+        if (self.max_age is not None and self.max_age < 0) or (self.max_bytes is not None and self.max_bytes < 0):
+            raise ValueError("the maximum age and the byte budget cannot be negative")
+
+
+def choose_victims(objects: Sequence[StoredObject], retention: Retention, now: float) -> list[StoredObject]:
+    """Everything older than the maximum age, then the oldest of the rest until the budget holds.
+
+    Ties in time are broken by key, so the same listing always gives the same choice.
+    """
+    ordered = sorted(objects, key=lambda item: (item.when, item.key))  # oldest first
+    victims: list[StoredObject] = []
+    kept: list[StoredObject] = []
+    for item in ordered:
+        too_old = retention.max_age is not None and now - item.when > retention.max_age
+        (victims if too_old else kept).append(item)
+    if retention.max_bytes is not None:
+        remaining = sum(item.size for item in kept)
+        for item in kept:
+            if remaining <= retention.max_bytes:
+                break
+            victims.append(item)
+            remaining -= item.size
+    return victims
+
+
+@dataclass
+class TierPlan:
+    tier: str
+    age_basis: str
+    listed: list[StoredObject]
+    victims: list[StoredObject]
+
+    @property
+    def listed_bytes(self) -> int:
+        return sum(item.size for item in self.listed)
+
+    @property
+    def victim_bytes(self) -> int:
+        return sum(item.size for item in self.victims)
+
+
+async def plan_gc(
+    backends: dict[str, Backend],
+    accept: Callable[[str], bool] | None,
+    retention: Retention,
+    *,
+    now: float | None = None,
+    on_page: Callable[[str, int], None] | None = None,
+) -> list[TierPlan]:
+    """List every tier, then choose what goes. Nothing is deleted: a dry run is exactly this."""
+    plans = []
+    for name, backend in backends.items():
+        objects = await list_objects(backend, accept, None if on_page is None else lambda n, t=name: on_page(t, n))
+        moment = time.time() if now is None else now
+        plans.append(TierPlan(name, backend.age_basis, objects, choose_victims(objects, retention, moment)))
+    return plans
+
+
+async def run_gc(
+    backends: dict[str, Backend], plans: Sequence[TierPlan], progress: Callable[[str, RemoveReport], None] | None = None
+) -> dict[str, RemoveReport]:
+    """Remove each plan's victims that are still as listed; per tier, what happened."""
+    reports = {}
+    for plan in plans:
+        step: Progress | None = None if progress is None else (lambda report, t=plan.tier: progress(t, report))
+        reports[plan.tier] = await backends[plan.tier].remove_unchanged(plan.victims, step)
+    return reports
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Damaged:
+    item: StoredObject  # as read (its version is what a removal checks)
+    reason: str
+
+
+@dataclass
+class TierCheck:
+    tier: str
+    checked: int = 0
+    checked_bytes: int = 0
+    gone: int = 0  # listed, then absent when read (evicted, expired, collected)
+    damaged: list[Damaged] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # reads that failed (the object may be fine)
+    removed: RemoveReport | None = None
+
+
+async def verify_tier(
+    name: str,
+    backend: Backend,
+    objects: Sequence[StoredObject],
+    *,
+    concurrency: int = 8,
+    on_checked: Callable[[int], None] | None = None,
+) -> TierCheck:
+    """Read every object and check every checksum; ``concurrency`` reads in flight."""
+    result = TierCheck(name)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def check(item: StoredObject) -> None:
+        async with slots:
+            try:
+                data = await backend.read_object(item)
+            except Exception as exc:
+                result.errors.append(f"{item.namespace}/{item.key}: {type(exc).__name__}: {exc}")
+                return
+            finally:
+                if on_checked is not None:
+                    on_checked(1)
+        if data is None:
+            result.gone += 1
+            return
+        result.checked += 1
+        result.checked_bytes += len(data)
+        try:
+            check_stored_chunk(data, item.key)
+        except ChunkFormatError as exc:
+            result.damaged.append(Damaged(backend.read_version(item, data), str(exc)))
+
+    await asyncio.gather(*(check(item) for item in objects))
+    result.damaged.sort(key=lambda damaged: (damaged.item.namespace, damaged.item.key))
+    return result

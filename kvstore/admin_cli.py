@@ -1,0 +1,433 @@
+"""``kvstore ls``, ``stats``, ``gc`` and ``verify``: the operator's view of what the tiers hold.
+
+Exit codes (also in the README): 0 done; 1 some objects could not be listed, read or deleted;
+2 bad usage or configuration; 3 ``verify`` found damaged objects and left them in place;
+4 the deletion was not confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from pydantic import ByteSize, TypeAdapter, ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstore import admin
+from kvstore.backends.base import RemoveReport
+from kvstore.config import ConfigError, StoreConfig
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_DAMAGED, EXIT_DECLINED = 0, 1, 2, 3, 4
+T = TypeVar("T")
+console = Console(width=140)
+errors = Console(stderr=True, width=140)
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="kvstore TOML file (default: $KVSTORE_CONFIG); KVSTORE_* variables apply too"),
+]
+TierOption = Annotated[
+    list[str] | None,
+    typer.Option("--tier", "-t", help="disk, redis or s3 (repeatable or comma-separated; default: every enabled tier)"),
+]
+NamespaceOption = Annotated[
+    list[str] | None,
+    typer.Option("--namespace", "-n", help="a namespace as engines name it, or a glob on stored names (repeatable)"),
+]
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d', '2w', '1d12h', or plain seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    cleaned = text.strip().lower()
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", cleaned)
+    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", "", cleaned).strip():
+        raise typer.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 30m, 12h, 7d or 1d12h")
+    return sum(float(number) * units[unit or "s"] for number, unit in parts)
+
+
+def parse_size(text: str) -> int:
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise typer.BadParameter(f"{text!r} is not a size; write e.g. 500GiB, 2TB or 1048576") from None
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError
+
+
+def human_age(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    for limit, unit, size in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds / 86400:.1f} d"
+
+
+def load_config(path: Path | None) -> StoreConfig:
+    try:
+        return StoreConfig.load(path)
+    except ConfigError as exc:
+        errors.print(f"[red]{exc}[/red]", highlight=False)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def tier_names(tiers: list[str] | None) -> list[str] | None:
+    names = [name.strip() for value in tiers or [] for name in value.split(",") if name.strip()]
+    return names or None
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a tool; configuration problems and unreachable servers end it with a message, not a trace."""
+    try:
+        return asyncio.run(main())
+    except ConfigError as exc:
+        errors.print(f"[red]{exc}[/red]", highlight=False)
+        raise typer.Exit(EXIT_USAGE) from None
+    except (OSError, RuntimeError) as exc:
+        errors.print(f"[red]{type(exc).__name__}: {exc}[/red]", highlight=False)
+        raise typer.Exit(EXIT_ERRORS) from None
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=errors,
+        transient=True,
+    )
+
+
+async def list_all(
+    config: StoreConfig, tiers: list[str] | None, namespaces: list[str] | None
+) -> tuple[dict[str, str], dict[str, list[admin.StoredObject]]]:
+    """Every selected tier's objects, with a progress line per tier; also each tier's age basis."""
+    accept = admin.namespace_filter(namespaces or [])
+    listed, basis = {}, {}
+    async with admin.tool_backends(config, tiers) as backends:
+        with progress_bar() as bar:
+            for name, backend in backends.items():
+                task = bar.add_task(f"listing {name}", total=None)
+                listed[name] = await admin.list_objects(backend, accept, lambda n, t=task: bar.advance(t, n))
+                basis[name] = backend.age_basis
+    return basis, listed
+
+
+# -- ls and stats -------------------------------------------------------------------------------
+
+
+def ls(
+    config: ConfigOption = None,
+    tier: TierOption = None,
+    namespace: NamespaceOption = None,
+    chunks: Annotated[bool, typer.Option("--chunks", help="one row per chunk instead of per namespace")] = False,
+    limit: Annotated[int, typer.Option(help="rows to show with --chunks, most recent first (0: all)")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """What each tier holds, per namespace: chunks, bytes, oldest and newest (or each chunk with --chunks)."""
+    settings = load_config(config)
+    basis, listed = run(lambda: list_all(settings, tier_names(tier), namespace))
+    now = time.time()
+    if chunks:
+        rows = sorted(((name, item) for name, items in listed.items() for item in items), key=lambda r: -r[1].when)
+        rows = rows[:limit] if limit else rows
+        if as_json:
+            fields = ("namespace", "key", "size", "when")
+            typer.echo(json.dumps([{"tier": t, **{f: getattr(i, f) for f in fields}} for t, i in rows], indent=1))
+            return
+        table = Table(title=f"chunks, most recent first ({len(rows)} shown)")
+        for column in ("tier", "namespace", "key", "bytes", "age"):
+            table.add_column(column, justify="right" if column in ("bytes", "age") else "left")
+        for name, item in rows:
+            table.add_row(name, item.namespace, item.key, f"{item.size:,}", human_age(now - item.when))
+        console.print(table)
+        return
+    summaries = [row for name, items in listed.items() for row in admin.summarize(name, items, now)]
+    if as_json:
+        fields = ("tier", "namespace", "chunks", "bytes", "oldest", "newest")
+        typer.echo(json.dumps([{f: getattr(row, f) for f in fields} for row in summaries], indent=1))
+        return
+    table = Table(title="kvstore ls: chunks per tier and namespace")
+    for column in ("tier", "namespace", "chunks", "bytes", "oldest", "newest", "age is since"):
+        table.add_column(column, justify="left" if column in ("tier", "namespace", "age is since") else "right")
+    for row in summaries:
+        table.add_row(
+            row.tier,
+            row.namespace,
+            f"{row.chunks:,}",
+            human_bytes(row.bytes),
+            human_age(now - row.oldest),
+            human_age(now - row.newest),
+            basis[row.tier],
+        )
+    console.print(table)
+    if not summaries:
+        console.print("no chunks stored in the selected tiers and namespaces")
+
+
+def stats(
+    config: ConfigOption = None,
+    tier: TierOption = None,
+    namespace: NamespaceOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
+) -> None:
+    """Per tier and namespace: chunks, bytes, average chunk size and an age histogram."""
+    settings = load_config(config)
+    basis, listed = run(lambda: list_all(settings, tier_names(tier), namespace))
+    now = time.time()
+    summaries = [row for name, items in listed.items() for row in admin.summarize(name, items, now)]
+    labels = [label for _, label in admin.AGE_BUCKETS]
+    if as_json:
+        document = [
+            {
+                "tier": row.tier,
+                "namespace": row.namespace,
+                "chunks": row.chunks,
+                "bytes": row.bytes,
+                "age_basis": basis[row.tier],
+                "ages": dict(zip(labels, row.ages, strict=True)),
+            }
+            for row in summaries
+        ]
+        typer.echo(json.dumps(document, indent=1))
+        return
+    table = Table(title="kvstore stats: chunks by age (since last write, or last access where the tier records it)")
+    for column in ("tier", "namespace", "chunks", "bytes", "avg chunk", *labels):
+        table.add_column(column, justify="left" if column in ("tier", "namespace") else "right")
+    for name in listed:
+        rows = [row for row in summaries if row.tier == name]
+        for row in rows:
+            average = human_bytes(row.bytes / row.chunks)
+            table.add_row(
+                row.tier, row.namespace, f"{row.chunks:,}", human_bytes(row.bytes), average, *map(str, row.ages)
+            )
+        if len(rows) > 1:
+            chunks, size = sum(r.chunks for r in rows), sum(r.bytes for r in rows)
+            ages = [str(sum(r.ages[i] for r in rows)) for i in range(len(labels))]
+            table.add_row(name, "[b]all[/b]", f"{chunks:,}", human_bytes(size), human_bytes(size / chunks), *ages)
+    console.print(table)
+
+
+# -- gc -----------------------------------------------------------------------------------------
+
+
+def gc(
+    max_age: Annotated[
+        str | None, typer.Option(help="delete chunks not written (or, where recorded, read) for this long: 7d, 12h")
+    ] = None,
+    max_bytes: Annotated[
+        str | None, typer.Option(help="then delete the oldest until each tier holds at most this much: 500GiB")
+    ] = None,
+    config: ConfigOption = None,
+    tier: TierOption = None,
+    namespace: NamespaceOption = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="show what would go, delete nothing")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
+    install_lifecycle: Annotated[
+        bool, typer.Option(help="also set an S3 lifecycle rule expiring objects after --max-age (whole days)")
+    ] = False,
+) -> None:
+    """Delete old chunks from the disk, Redis and S3 tiers: by age, then oldest first down to a byte budget.
+
+    Safe beside running engines: only objects still exactly as listed are deleted (a chunk written
+    or read since is kept), and a reader of a deleted chunk sees a miss. Running it again is harmless.
+    """
+    try:
+        retention = admin.Retention(
+            None if max_age is None else parse_duration(max_age), None if max_bytes is None else parse_size(max_bytes)
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(f"{exc}: pass --max-age and/or --max-bytes") from None
+    settings = load_config(config)
+    names = tier_names(tier)
+    if install_lifecycle:
+        check_lifecycle(retention, names, settings)
+    code = run(lambda: collect(settings, names, namespace, retention, dry_run, yes, install_lifecycle))
+    raise typer.Exit(code)
+
+
+def check_lifecycle(retention: admin.Retention, names: list[str] | None, settings: StoreConfig) -> None:
+    if retention.max_age is None or retention.max_age < 86400:
+        raise typer.BadParameter("S3 lifecycle rules count whole days: give --max-age of 1d or more")
+    if "s3" not in (names or admin.enabled_tiers(settings)):
+        raise typer.BadParameter("--install-lifecycle needs the s3 tier (enable it in the configuration)")
+
+
+async def collect(
+    config: StoreConfig,
+    tiers: list[str] | None,
+    namespaces: list[str] | None,
+    retention: admin.Retention,
+    dry_run: bool,
+    yes: bool,
+    install_lifecycle: bool,
+) -> int:
+    accept = admin.namespace_filter(namespaces or [])
+    async with admin.tool_backends(config, tiers) as backends:
+        with progress_bar() as bar:
+            tasks = {name: bar.add_task(f"listing {name}", total=None) for name in backends}
+            plans = await admin.plan_gc(backends, accept, retention, on_page=lambda t, n: bar.advance(tasks[t], n))
+        doomed = sum(len(plan.victims) for plan in plans)
+        doomed_bytes = sum(plan.victim_bytes for plan in plans)
+        if dry_run or not doomed:
+            console.print(gc_table(plans, None, dry_run))
+            if install_lifecycle:
+                await lifecycle(backends["s3"], retention, namespaces, dry_run)
+            console.print(f"dry run: {doomed:,} chunks ({human_bytes(doomed_bytes)}) would be deleted" if dry_run else
+                          "nothing to delete")  # fmt: skip
+            return EXIT_OK
+        if not yes:
+            console.print(gc_table(plans, None, dry_run=True))
+            if not sys.stdin.isatty():
+                errors.print("[red]not deleting without --yes: there is no terminal to ask for confirmation[/red]")
+                return EXIT_USAGE
+            if not typer.confirm(f"Delete {doomed:,} chunks ({human_bytes(doomed_bytes)})?"):
+                console.print("nothing deleted")
+                return EXIT_DECLINED
+        with progress_bar() as bar:
+            task = bar.add_task("deleting", total=doomed)
+            reports = await admin.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
+        console.print(gc_table(plans, reports, dry_run=False))
+        if install_lifecycle:
+            await lifecycle(backends["s3"], retention, namespaces, dry_run)
+    failures = [error for report in reports.values() for error in report.errors]
+    for error in failures[:10]:
+        errors.print(f"[red]could not delete {error}[/red]", highlight=False)
+    return EXIT_ERRORS if failures else EXIT_OK
+
+
+def gc_table(plans: list[admin.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
+    title = "kvstore gc (dry run: nothing deleted)" if dry_run else "kvstore gc"
+    table = Table(title=title)
+    columns = ["tier", "age is since", "listed", "listed bytes", "to delete", "bytes"]
+    if reports is not None:
+        columns += ["deleted", "kept: changed since listing", "already gone", "errors"]
+    columns += ["left bytes"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("tier", "age is since") else "right")
+    for plan in plans:
+        row = [plan.tier, plan.age_basis, f"{len(plan.listed):,}", human_bytes(plan.listed_bytes)]
+        row += [f"{len(plan.victims):,}", human_bytes(plan.victim_bytes)]
+        left = plan.listed_bytes - plan.victim_bytes
+        if reports is not None:
+            report = reports[plan.tier]
+            row += [f"{report.removed:,}", f"{report.changed:,}", f"{report.gone:,}", f"{len(report.errors):,}"]
+            left = plan.listed_bytes - report.removed_bytes
+        table.add_row(*row, human_bytes(left))
+    return table
+
+
+async def lifecycle(backend: Any, retention: admin.Retention, namespaces: list[str] | None, dry_run: bool) -> None:
+    """One rule for the whole prefix, or for one namespace when exactly one plain name was given."""
+    from kvstore.keys import namespace_dir
+
+    days = math.ceil((retention.max_age or 0) / 86400)
+    single = namespaces[0] if namespaces and len(namespaces) == 1 and not re.search(r"[*?\[]", namespaces[0]) else None
+    target = None if single is None else namespace_dir(single)
+    where = f"s3://{backend.bucket}/{backend.prefix}/" + (f"{target}/" if target else "")
+    if dry_run:
+        console.print(f"dry run: would set a lifecycle rule expiring {where} after {days} days")
+        return
+    rule = await backend.install_expiration(days, target)
+    console.print(f"lifecycle rule {rule['ID']!r}: objects under {where} expire {days} days after their last write")
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+def verify(
+    config: ConfigOption = None,
+    tier: TierOption = None,
+    namespace: NamespaceOption = None,
+    delete: Annotated[
+        bool, typer.Option("--delete", help="remove the damaged objects (only if still as read)")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask before removing")] = False,
+    concurrency: Annotated[int, typer.Option(min=1, max=256, help="reads in flight per tier")] = 8,
+) -> None:
+    """Read every chunk and check every checksum; report the damaged ones, and with --delete remove them.
+
+    On Redis before 7.2, reading a value counts as an access: verify restarts the idle times that
+    gc's --max-age uses there.
+    """
+    settings = load_config(config)
+    code = run(lambda: check_all(settings, tier_names(tier), namespace, delete, yes, concurrency))
+    raise typer.Exit(code)
+
+
+async def check_all(
+    config: StoreConfig,
+    tiers: list[str] | None,
+    namespaces: list[str] | None,
+    delete: bool,
+    yes: bool,
+    concurrency: int,
+) -> int:
+    accept = admin.namespace_filter(namespaces or [])
+    results = []
+    async with admin.tool_backends(config, tiers) as backends:
+        with progress_bar() as bar:
+            for name, backend in backends.items():
+                listing = bar.add_task(f"listing {name}", total=None)
+                objects = await admin.list_objects(backend, accept, lambda n, t=listing: bar.advance(t, n))
+                task = bar.add_task(f"checking {name}", total=len(objects))
+                result = await admin.verify_tier(
+                    name, backend, objects, concurrency=concurrency, on_checked=lambda n, t=task: bar.advance(t, n)
+                )
+                results.append(result)
+        damaged = [(result.tier, bad) for result in results for bad in result.damaged]
+        for tier_name, bad in damaged:
+            console.print(f"damaged: {tier_name} {bad.item.namespace}/{bad.item.key}: {bad.reason}", highlight=False)
+        if delete and damaged:
+            if not yes and not (sys.stdin.isatty() and typer.confirm(f"Remove {len(damaged)} damaged objects?")):
+                console.print("nothing removed")
+                return EXIT_DECLINED
+            for result in results:
+                if result.damaged:
+                    items = [bad.item for bad in result.damaged]
+                    result.removed = await backends[result.tier].remove_unchanged(items)
+    table = Table(title="kvstore verify")
+    for column in ("tier", "checked", "bytes", "damaged", "removed", "gone meanwhile", "read errors"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for result in results:
+        removed = "-" if result.removed is None else f"{result.removed.removed:,}"
+        table.add_row(
+            result.tier,
+            f"{result.checked:,}",
+            human_bytes(result.checked_bytes),
+            f"{len(result.damaged):,}",
+            removed,
+            f"{result.gone:,}",
+            f"{len(result.errors):,}",
+        )
+    console.print(table)
+    for result in results:
+        for error in result.errors[:10]:
+            errors.print(f"[red]read failed: {result.tier} {error}[/red]", highlight=False)
+    if any(result.errors or (result.removed and result.removed.errors) for result in results):
+        return EXIT_ERRORS
+    # Removed, gone, or rewritten since it was read (an engine healed it): no longer damaged here.
+    left = sum(len(r.damaged) - (r.removed.handled - len(r.removed.errors) if r.removed else 0) for r in results)
+    return EXIT_DAMAGED if left else EXIT_OK
