@@ -30,7 +30,7 @@ def run(url: str, ttl: float) -> None:
         "url": url,
         "codec": "bytesplit+lz4",  # a lossless pipeline; lz4 is the cheap stage to add where reads are this fast
         "ttl": ttl,  # a chunk expires `ttl` seconds after it was written or last read in full (None: never)
-        "prefix": "kvstore-example",  # value names: kvstore-example:<key>
+        "prefix": "kvstore-example",  # value names: kvstore-example:<namespace>:<key>
     }
     # Engines on several hosts share one Redis: the disk tier is off, so everything below DRAM is Redis.
     config = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False}, redis=redis)

@@ -81,7 +81,7 @@ def main() -> None:
         # (incompressible) mantissa bytes, zstd then squeezes the segment a little more.
         "codec": "bytesplit+zstd",
         "create_bucket": True,
-        "prefix": "kvstore-example",  # object names: kvstore-example/<key>
+        "prefix": "kvstore-example",  # object names: kvstore-example/<namespace>/<key>
     }
     endpoint = args.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     with contextlib.ExitStack() as stack:

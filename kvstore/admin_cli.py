@@ -310,6 +310,9 @@ async def collect(
             task = bar.add_task("deleting", total=doomed)
             reports = await admin.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
         console.print(gc_table(plans, reports, dry_run=False))
+        removed = sum(report.removed for report in reports.values())
+        removed_bytes = sum(report.removed_bytes for report in reports.values())
+        console.print(f"deleted {removed:,} chunks ({human_bytes(removed_bytes)})")
         if install_lifecycle:
             await lifecycle(backends["s3"], retention, namespaces, dry_run)
     failures = [error for report in reports.values() for error in report.errors]
@@ -323,7 +326,7 @@ def gc_table(plans: list[admin.TierPlan], reports: dict[str, RemoveReport] | Non
     table = Table(title=title)
     columns = ["tier", "age is since", "listed", "listed bytes", "to delete", "bytes"]
     if reports is not None:
-        columns += ["deleted", "kept: changed since listing", "already gone", "errors"]
+        columns += ["deleted", "changed (kept)", "already gone", "errors"]
     columns += ["left bytes"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("tier", "age is since") else "right")
