@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_prefix_cache import ROOT, make_model, prompt  # the model maker of the other vLLM example
+from vllm_prefix_cache import RESULT, ROOT, engine_process, make_model, prompt  # shared with the other vLLM example
 
-RESULT = "engine result: "  # vLLM logs to stdout too: the engine's answer is the line with this prefix
 PROMPT_TOKENS = 1000  # 3 full chunks of 256 tokens can be reused; vLLM computes the other 232
 
 
@@ -79,13 +76,7 @@ def engine(model: str, transfer: dict[str, Any]) -> dict[str, Any]:
 
 def in_subprocess(model: Path, transfer: dict[str, Any]) -> dict[str, Any]:
     """A fresh engine per process: its kvstore DRAM starts empty, as after a restart."""
-    spec = json.dumps({"model": str(model), "transfer": transfer})
-    done = subprocess.run(
-        [sys.executable, __file__, "--engine", spec], capture_output=True, text=True, check=False, cwd=ROOT
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"the engine failed:\n{done.stderr[-4000:]}")
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith(RESULT))[len(RESULT) :])
+    return engine_process(__file__, {"model": str(model), "transfer": transfer})
 
 
 def main() -> None:

@@ -110,9 +110,13 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def in_subprocess(model: Path, tokens: int, steps: list[str], extra: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One engine per process: a fresh engine really starts with an empty DRAM tier."""
-    spec = json.dumps({"model": str(model), "tokens": tokens, "steps": steps, "extra": extra})
+    return engine_process(__file__, {"model": str(model), "tokens": tokens, "steps": steps, "extra": extra})
+
+
+def engine_process(script: str, spec: dict[str, Any]) -> Any:
+    """Run ``script --engine SPEC`` in a process of its own; the JSON it prints after RESULT."""
     done = subprocess.run(
-        [sys.executable, __file__, "--engine", spec], capture_output=True, text=True, check=False, cwd=ROOT
+        [sys.executable, script, "--engine", json.dumps(spec)], capture_output=True, text=True, check=False, cwd=ROOT
     )
     if done.returncode != 0:
         raise SystemExit(f"the engine failed:\n{done.stderr[-4000:]}")
