@@ -187,6 +187,14 @@ class TimeoutConfig(_Section):
     close: float = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
 
 
+class MetricsConfig(_Section):
+    """A Prometheus exporter for every store in the process (see kvstore.metrics)."""
+
+    enabled: bool = Field(False, description="serve the Prometheus metrics of every store in this process over HTTP")
+    address: str = Field("127.0.0.1", description="interface to listen on; '0.0.0.0' or '::' for every one")
+    port: int = Field(9464, ge=0, le=65535, description="TCP port of /metrics; 0 picks a free one")
+
+
 class StoreConfig(BaseSettings):
     """Everything a :class:`kvstore.KVStore` needs besides the model layout."""
 
@@ -200,6 +208,7 @@ class StoreConfig(BaseSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     encryption: EncryptionConfig = Field(default_factory=EncryptionConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")
     tier_workers: int = Field(2, ge=1, le=64, description="concurrent writes per secondary tier")
     io_threads: int = Field(4, ge=1, le=256, description="threads for file I/O and codecs")

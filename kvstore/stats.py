@@ -1,8 +1,14 @@
-"""Counters per tier, read by ``KVStore.stats()``, the CLI and (later) Prometheus."""
+"""Counters and latency histograms per tier, read by ``KVStore.stats()``, the CLI and Prometheus."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field
+
+# Seconds: a warm local chunk read takes ~0.1-1 ms, a remote one ~1-100 ms, a stalled one a timeout.
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
+)  # fmt: skip
 
 
 @dataclass
@@ -21,3 +27,44 @@ class TierStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class Histogram:
+    """Fixed-bucket latency histogram, kept by the store itself rather than in a Prometheus registry.
+
+    So several stores (and tests) never collide over metric names, and observing costs a bisect
+    and two additions. Lock-free: the event loop is the one writer; a scrape thread copies the
+    counts, so it may trail an observation in flight by one, never see a torn value.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is above every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1  # Prometheus buckets are "<= bound"
+        self.sum += seconds
+
+    def snapshot(self) -> tuple[list[int], float]:
+        """Per-bucket counts (the last one: +Inf) and the sum of observations, as of now."""
+        return list(self.counts), self.sum
+
+
+@dataclass
+class TierLatency:
+    """Seconds per tier operation as the store waits for it (a batch of chunks, or a lookup)."""
+
+    read: Histogram = field(default_factory=Histogram)
+    write: Histogram = field(default_factory=Histogram)
+    lookup: Histogram = field(default_factory=Histogram)
+
+
+@dataclass
+class StoreLatency:
+    """Seconds per engine-facing call: ``lookup`` and ``get``/``get_many``."""
+
+    lookup: Histogram = field(default_factory=Histogram)
+    get: Histogram = field(default_factory=Histogram)

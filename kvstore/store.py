@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvstore import metrics
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
@@ -29,6 +31,7 @@ from kvstore.dram import SlabPool
 from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.prefetch import LayerStream
+from kvstore.stats import Histogram, StoreLatency
 from kvstore.tier import ChunkTier
 
 log = logging.getLogger("kvstore")
@@ -78,6 +81,8 @@ class KVStore:
         self._workers: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Future[Any]] = set()  # tier operations, tracked until they end
         self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
+        self.latency = StoreLatency()  # per lookup/get call; each tier keeps its own (tier.latency)
+        self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
         self._state = "new"
 
     def _tiers_from_config(self) -> list[ChunkTier]:
@@ -103,6 +108,8 @@ class KVStore:
     async def open(self) -> KVStore:
         if self._state != "new":
             raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
+        if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
+            self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
         for tier in self.tiers:
             await tier.open()
         for tier in self.tiers:
@@ -113,6 +120,7 @@ class KVStore:
                     asyncio.create_task(self._cascade_worker(tier, queue), name=f"kvstore-{tier.name}-{n}")
                 )
         self._state = "open"
+        metrics.register(self)
         return self
 
     async def __aenter__(self) -> KVStore:
@@ -151,6 +159,7 @@ class KVStore:
                 log.warning("close: %s tier did not close cleanly: %r", tier.name, exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._state = "closed"
+        metrics.unregister(self)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -212,7 +221,8 @@ class KVStore:
             try:
                 write = tier.write_many([(key, self.pool.buffer(slot)) for key, slot in batch])
                 end_of_write = self._releaser([slot for _, slot in batch])
-                outcomes = await self._bounded(write, self.config.timeouts.put * len(batch), tier, end_of_write)
+                timeout = self.config.timeouts.put * len(batch)
+                outcomes = await self._bounded(write, timeout, tier, tier.latency.write, end_of_write)
                 for (key, _), outcome in zip(batch, outcomes, strict=True):
                     if outcome is not None:
                         log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], outcome)
@@ -227,6 +237,7 @@ class KVStore:
     async def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` some tier holds: the prefix that can be loaded, not recomputed."""
         self._check_open()
+        start = time.perf_counter()
         keys = list(keys)
         for key in keys:
             key_to_bytes(key)
@@ -238,7 +249,8 @@ class KVStore:
             reached = count
             for tier in self.tiers:
                 try:
-                    found = await self._bounded(tier.prefix_count(keys[count:]), self.config.timeouts.get, tier)
+                    prefix = tier.prefix_count(keys[count:])
+                    found = await self._bounded(prefix, self.config.timeouts.get, tier, tier.latency.lookup)
                 except TierTimeout:
                     continue
                 if found > 0:
@@ -247,6 +259,7 @@ class KVStore:
             if reached == count:
                 break
             count = reached
+        self.latency.lookup.observe(time.perf_counter() - start)
         return count
 
     async def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -265,6 +278,7 @@ class KVStore:
         promoted into DRAM. Each result is ``outs[i]`` (or a new tensor), or None on a miss.
         """
         self._check_open()
+        start = time.perf_counter()
         for key in keys:
             key_to_bytes(key)
         if outs is not None:
@@ -294,6 +308,7 @@ class KVStore:
         hits = sum(result is not None for result in results)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
+        self.latency.get.observe(time.perf_counter() - start)
         return results
 
     async def _promote(self, keys: list[ChunkKey]) -> list[int | None]:
@@ -350,7 +365,8 @@ class KVStore:
             try:
                 read = tier.read_many_into([keys[i] for i, _ in reserved], [self.pool.buffer(s) for _, s in reserved])
                 end_of_read = self._releaser([slot for _, slot in reserved])
-                found = await self._bounded(read, self.config.timeouts.get * len(reserved), tier, end_of_read)
+                timeout = self.config.timeouts.get * len(reserved)
+                found = await self._bounded(read, timeout, tier, tier.latency.read, end_of_read)
             except TierTimeout:
                 found = [False] * len(reserved)
             except BaseException:
@@ -370,19 +386,27 @@ class KVStore:
         return result
 
     async def _bounded(
-        self, operation: Awaitable[T], timeout: float, tier: ChunkTier, on_end: Callable[[], None] | None = None
+        self,
+        operation: Awaitable[T],
+        timeout: float,
+        tier: ChunkTier,
+        latency: Histogram,
+        on_end: Callable[[], None] | None = None,
     ) -> T:
         """Await ``operation`` for at most ``timeout`` seconds, else raise :class:`TierTimeout`.
 
+        The wait goes into ``latency`` (a timed-out one as about ``timeout``: what the engine waited).
         ``on_end`` runs when the operation has really ended (maybe long after a timeout): that
         is when the slots it used may be released.
         """
+        start = time.perf_counter()
         task = asyncio.ensure_future(operation)
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
         if on_end is not None:
             task.add_done_callback(lambda _: on_end())
         done, _ = await asyncio.wait({task}, timeout=timeout)
+        latency.observe(time.perf_counter() - start)
         if not done:
             tier.stats.timeouts += 1
             log.warning("%s tier: operation exceeded its %.1fs timeout", tier.name, timeout)

@@ -33,7 +33,7 @@ from kvstore.format import (
 )
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.stats import TierStats
+from kvstore.stats import TierLatency, TierStats
 from kvstore.threads import in_thread
 
 log = logging.getLogger("kvstore.tier")
@@ -60,6 +60,7 @@ class ChunkTier:
         self.layout = layout
         self.name = backend.name
         self.stats = TierStats()
+        self.latency = TierLatency()  # fed by KVStore, which times each operation it waits for
         self._executor = executor
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)

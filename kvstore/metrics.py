@@ -1,0 +1,234 @@
+"""Prometheus metrics for every open :class:`~kvstore.KVStore` in the process.
+
+Nothing is counted twice: at scrape time :class:`KVStoreCollector` reads each store's own
+counters (``KVStore.stats()``, what the CLI and the tests read too) and its latency histograms
+(:class:`kvstore.stats.Histogram`, fed where the store waits for a tier). Stores register on
+open and unregister on close, held weakly so a store never closed is not kept alive from here.
+
+Prometheus wants one series per label set, so stores of one namespace in one process (say an
+engine's scheduler and worker) are summed into one series, as their counters add up.
+
+``[metrics] enabled = true`` makes ``KVStore.open()`` call :func:`start_exporter`. To serve the
+metrics from a server of your own instead, register a :class:`KVStoreCollector` in its registry
+(``prometheus_client.REGISTRY.register(KVStoreCollector())``) or render :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvstore.config import ConfigError
+from kvstore.stats import LATENCY_BUCKETS, Histogram
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
+
+log = logging.getLogger("kvstore.metrics")
+F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
+
+NS = ("namespace",)
+NS_TIER = ("namespace", "tier")
+
+# stats()["store"] key -> counter name (exposed with _total) and help; the tests check none is missing.
+STORE_COUNTERS = {
+    "puts": ("kvstore_puts", "put() calls"),
+    "put_rejected": ("kvstore_put_rejected", "puts refused: every DRAM slot was held by a transfer"),
+    "put_duplicate": ("kvstore_put_duplicate", "puts of a chunk DRAM already held"),
+    "gets": ("kvstore_gets", "chunks asked of get()/get_many()"),
+    "hits": ("kvstore_hits", "chunks get()/get_many() returned, from any tier"),
+    "misses": ("kvstore_misses", "chunks get()/get_many() found in no tier"),
+    "streamed": ("kvstore_streamed", "chunks opened by layer streams (prefetch), from any tier"),
+    "streamed_from_dram": ("kvstore_streamed_from_dram", "chunks layer streams found in DRAM"),
+}
+# TierStats field -> counter name and help, labelled with the tier.
+TIER_COUNTERS = {
+    "hits": ("kvstore_tier_hits", "chunks read from the tier"),
+    "misses": ("kvstore_tier_misses", "chunk reads the tier did not hold"),
+    "bytes_read": ("kvstore_tier_read_bytes", "stored bytes read from the tier"),
+    "bytes_written": ("kvstore_tier_written_bytes", "stored bytes written to the tier"),
+    "writes": ("kvstore_tier_writes", "chunks written to the tier"),
+    "errors": ("kvstore_tier_errors", "tier operations that raised (I/O error, full disk, server down)"),
+    "timeouts": ("kvstore_tier_timeouts", "tier operations that ran past their configured timeout"),
+    "drops": ("kvstore_tier_drops", "writes dropped: the tier's queue was full, or the store closed"),
+    "corrupt": ("kvstore_tier_corrupt", "objects that failed their checks (removed; read as a miss)"),
+    "foreign": ("kvstore_tier_foreign", "valid objects this store cannot open (another encryption key)"),
+    "skipped": ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
+}
+GAUGES = {
+    "kvstore_dram_capacity_bytes": ("bytes of the DRAM slab pool", NS),
+    "kvstore_dram_used_bytes": ("bytes of the DRAM pool holding chunks", NS),
+    "kvstore_dram_chunks": ("chunks held in DRAM", NS),
+    "kvstore_dram_referenced_slots": ("DRAM slots held by a transfer in progress", NS),
+    "kvstore_tier_queue_depth": ("writes waiting in the tier's queue (queue_depth at most)", NS_TIER),
+}
+EXTRA_COUNTERS = {"kvstore_dram_evictions": ("chunks evicted from DRAM to make room", NS)}
+HISTOGRAMS = {
+    "kvstore_tier_read_seconds": (
+        "seconds per tier read (one batch: a get's chunks missing from faster tiers)",
+        NS_TIER,
+    ),
+    "kvstore_tier_write_seconds": ("seconds per tier write (one batch of up to 8 queued chunks)", NS_TIER),
+    "kvstore_tier_lookup_seconds": ("seconds per tier lookup (how many leading chunks it holds)", NS_TIER),
+    "kvstore_lookup_seconds": ("seconds per lookup() call", NS),
+    "kvstore_get_seconds": ("seconds per get()/get_many() call", NS),
+}
+
+_stores: weakref.WeakSet[KVStore] = weakref.WeakSet()
+_stores_lock = threading.Lock()
+
+
+def register(store: KVStore) -> None:
+    """Include ``store`` in every scrape (``KVStore.open`` calls this)."""
+    with _stores_lock:
+        _stores.add(store)
+
+
+def unregister(store: KVStore) -> None:
+    """Leave ``store`` out of scrapes from now on (``KVStore.close`` calls this)."""
+    with _stores_lock:
+        _stores.discard(store)
+
+
+def registered_stores() -> list[KVStore]:
+    with _stores_lock:
+        return list(_stores)
+
+
+Sample = tuple[str, tuple[str, ...], float]
+HistSample = tuple[str, tuple[str, ...], Histogram]
+
+
+def _read(store: KVStore) -> tuple[list[Sample], list[HistSample]]:
+    """One store's samples: (metric, label values, value) and (metric, label values, histogram)."""
+    stats = store.stats()
+    ns = store.namespace
+    samples: list[Sample] = [
+        (STORE_COUNTERS[key][0], (ns,), value) for key, value in stats["store"].items() if key in STORE_COUNTERS
+    ]
+    dram = stats["dram"]
+    samples += [
+        ("kvstore_dram_capacity_bytes", (ns,), dram["slots"] * dram["slot_bytes"]),
+        ("kvstore_dram_used_bytes", (ns,), dram["chunks"] * dram["slot_bytes"]),
+        ("kvstore_dram_chunks", (ns,), dram["chunks"]),
+        ("kvstore_dram_referenced_slots", (ns,), dram["referenced"]),
+        ("kvstore_dram_evictions", (ns,), dram["evictions"]),
+    ]
+    hists: list[HistSample] = [
+        ("kvstore_lookup_seconds", (ns,), store.latency.lookup),
+        ("kvstore_get_seconds", (ns,), store.latency.get),
+    ]
+    for tier in store.tiers:
+        labels = (ns, tier.name)
+        hists += [
+            ("kvstore_tier_read_seconds", labels, tier.latency.read),
+            ("kvstore_tier_write_seconds", labels, tier.latency.write),
+            ("kvstore_tier_lookup_seconds", labels, tier.latency.lookup),
+        ]
+    for name in dict.fromkeys(tier.name for tier in store.tiers):  # stats() has one entry per tier name
+        labels, tier_stats = (ns, name), stats[name]
+        samples += [(metric, labels, tier_stats[key]) for key, (metric, _) in TIER_COUNTERS.items()]
+        samples.append(("kvstore_tier_queue_depth", labels, tier_stats["queued"]))
+    return samples, hists
+
+
+class KVStoreCollector(Collector):
+    """Every registered store's counters, gauges and latency histograms, read at scrape time."""
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples: names and types, for a registry's duplicate checks."""
+        return self._families([])
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(registered_stores())
+
+    def _families(self, stores: list[KVStore]) -> Iterator[Metric]:
+        values: defaultdict[str, defaultdict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
+        buckets: dict[str, dict[tuple[str, ...], tuple[list[int], float]]] = defaultdict(dict)
+        for store in stores:
+            try:
+                samples, hists = _read(store)
+            except Exception as exc:  # a store torn down mid-scrape must not fail the whole scrape
+                log.warning("metrics: store %r left out of this scrape: %r", getattr(store, "namespace", "?"), exc)
+                continue
+            for name, labels, value in samples:
+                values[name][labels] += value
+            for name, labels, histogram in hists:
+                counts, total = histogram.snapshot()
+                if labels in buckets[name]:  # same namespace and tier in another store: add up
+                    previous, previous_total = buckets[name][labels]
+                    counts = [a + b for a, b in zip(previous, counts, strict=True)]
+                    total += previous_total
+                buckets[name][labels] = (counts, total)
+
+        for name, help_text in STORE_COUNTERS.values():
+            yield _filled(CounterMetricFamily(name, help_text, labels=NS), values[name])
+        for name, help_text in TIER_COUNTERS.values():
+            yield _filled(CounterMetricFamily(name, help_text, labels=NS_TIER), values[name])
+        for name, (help_text, labelnames) in EXTRA_COUNTERS.items():
+            yield _filled(CounterMetricFamily(name, help_text, labels=labelnames), values[name])
+        for name, (help_text, labelnames) in GAUGES.items():
+            yield _filled(GaugeMetricFamily(name, help_text, labels=labelnames), values[name])
+        bounds = [*(floatToGoString(bound) for bound in LATENCY_BUCKETS), "+Inf"]
+        for name, (help_text, labelnames) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(name, help_text, labels=labelnames)
+            for labels, (counts, total) in buckets[name].items():
+                cumulative, running = [], 0
+                for bound, count in zip(bounds, counts, strict=True):
+                    running += count
+                    cumulative.append((bound, running))
+                family.add_metric(list(labels), cumulative, total)
+            yield family
+
+
+def _filled(family: F, series: dict[tuple[str, ...], float]) -> F:
+    for labels, value in series.items():
+        family.add_metric(list(labels), value)
+    return family
+
+
+REGISTRY = CollectorRegistry()
+"""A registry holding only kvstore's collector: what :func:`start_exporter` serves."""
+REGISTRY.register(KVStoreCollector())
+
+_exporters: dict[tuple[str, int], int] = {}
+_exporters_lock = threading.Lock()
+
+
+def start_exporter(address: str = "127.0.0.1", port: int = 9464) -> int:
+    """Serve ``/metrics`` for every store in the process on ``address:port``; the port it listens on.
+
+    Once per (address, port) per process, so every store may ask; port 0 binds a free port once.
+    A port already taken, or an address that cannot be bound, raises :class:`ConfigError`: the
+    operator asked for metrics, and an engine silently without them is worse than a clear stop.
+    """
+    with _exporters_lock:
+        if (address, port) in _exporters:
+            return _exporters[address, port]
+        try:
+            server, _ = start_http_server(port, address, registry=REGISTRY)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"metrics.port {port} on {address} is already in use: set metrics.port "
+                    f"(KVSTORE_METRICS__PORT) to a free port, one per process when several processes open "
+                    f"stores (0 picks any free port), or set metrics.enabled = false"
+                ) from None
+            raise ConfigError(
+                f"metrics.address {address!r} (port {port}) cannot be listened on: {exc.strerror or exc}; "
+                f"set metrics.address (KVSTORE_METRICS__ADDRESS) to an address of this machine, e.g. 127.0.0.1"
+            ) from None
+        bound = int(server.server_address[1])
+        _exporters[address, port] = bound
+        log.info("kvstore metrics at http://%s:%d/metrics", address, bound)
+        return bound
