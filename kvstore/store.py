@@ -145,7 +145,7 @@ class KVStore:
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
-        for tier, queue in zip(self.tiers, self._queues, strict=True):
+        for tier, queue in zip(self.tiers, self._queues, strict=False):  # no queues if open() failed
             while not queue.empty():
                 _, slot = queue.get_nowait()
                 tier.stats.drops += 1

@@ -434,3 +434,17 @@ def test_sync_facade_after_close_raises_instead_of_hanging(tmp_path: Path) -> No
         store.get(key)
     with pytest.raises(StoreClosedError):
         store.put(key, make_chunk(0))
+
+
+async def test_close_after_a_failed_open_does_not_raise(tmp_path: Path) -> None:
+    class Unreachable(MemoryBackend):
+        async def open(self) -> None:
+            raise OSError("no such bucket")
+
+    tier = ChunkTier(Unreachable(), make_codec("identity"), LAYOUT, None)
+    store = KVStore(config(tmp_path), LAYOUT, namespace="test", tiers=[tier])
+    with pytest.raises(OSError, match="no such bucket"):
+        await store.open()
+    await store.close()  # an engine's cleanup path: must not raise a second error
+    with pytest.raises(StoreClosedError):
+        await store.lookup([])
