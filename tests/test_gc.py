@@ -178,11 +178,9 @@ def test_gc_on_10000_disk_chunks_honours_age_and_budget_exactly(setup: Setup) ->
     assert len(expected) < MANY
 
     # --max-bytes over every namespace: the oldest go first until the rest fits.
-    size = (setup.disk_root / "model-a").stat().st_size  # any directory: sizes come from files below
     sizes = {
         name: DiskBackend(setup.disk_root, 1, namespace=name[0]).path_for(name[1]).stat().st_size for name in expected
     }
-    del size
     budget = sum(sizes.values()) // 3
     survivors, total = set(), 0
     for name in sorted(expected, key=lambda n: ages[n]):  # youngest first: they are the ones kept
@@ -344,8 +342,6 @@ def test_chunks_written_or_read_after_the_listing_are_kept(setup: Setup, tier: s
             report = (await run_gc(backends, plans))[tier]
             return {"removed": report.removed, "changed": report.changed, "gone": report.gone}
 
-    if tier == "disk":
-        time.sleep(0.01)
     counts = asyncio.run(scenario())
     spared = set(rewritten) | (set(read) if tier != "s3" else set())
     assert stored_keys(setup, tier) == {("live", key) for key in spared | set(new)}

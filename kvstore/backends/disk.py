@@ -368,7 +368,7 @@ class DiskBackend(LocalBackend):
         if mtime is not None and time.time() - mtime < MTIME_REFRESH_SECONDS:
             return
         try:
-            os.utime(self._file(key))
+            os.utime(f"{self._root_text}/{relative}")
         except OSError:
             pass
 

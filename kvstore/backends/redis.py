@@ -330,14 +330,19 @@ class RedisBackend(Backend):
         """SCAN with MATCH (on a Cluster redis-py scans every primary); each batch under the deadline."""
         pattern = f"{self._name(prefix).translate(_GLOB_SPECIALS)}*"  # namespace directories hold no specials
         strip = len(self._name(""))
-        scan: Any = self._connect().scan_iter(match=pattern, count=1000)  # an async generator
+        async for name in self._scan_names(pattern):
+            yield name[strip:]
+
+    async def _scan_names(self, pattern: str) -> AsyncIterator[str]:
+        """Every name matching ``pattern``, by SCAN (never KEYS), each batch under the deadline."""
+        scan: Any = self._connect().scan_iter(match=pattern, count=LIST_PAGE)  # an async generator
         try:
             while True:
                 try:
                     name = await self._call("SCAN", lambda _: anext(scan))
                 except StopAsyncIteration:
                     return
-                yield (name.decode() if isinstance(name, bytes) else name)[strip:]
+                yield name.decode() if isinstance(name, bytes) else name
         finally:
             await scan.aclose()
 
@@ -369,24 +374,15 @@ class RedisBackend(Backend):
         """SCAN (never KEYS) a thousand names at a time, then one pipeline of OBJECT IDLETIME and
         MEMORY USAGE per page: neither counts as an access, so listing leaves the ages alone.
         """
-        scan: Any = self._connect().scan_iter(match=f"{self.prefix.translate(_GLOB_SPECIALS)}:*", count=LIST_PAGE)
         names: list[tuple[str, str, str]] = []
-        try:
-            while True:
-                try:
-                    raw = await self._call("SCAN", lambda _: anext(scan))
-                except StopAsyncIteration:
-                    break
-                name = raw.decode() if isinstance(raw, bytes) else raw
-                namespace, _, key = name[len(self.prefix) + 1 :].partition(":")
-                if is_namespace_dir(namespace) and _CHUNK_KEY.fullmatch(key):
-                    if namespaces is None or namespaces(namespace):
-                        names.append((name, namespace, key))
-                if len(names) == LIST_PAGE:
-                    yield await self._describe(names)
-                    names = []
-        finally:
-            await scan.aclose()
+        async for name in self._scan_names(f"{self.prefix.translate(_GLOB_SPECIALS)}:*"):
+            namespace, _, key = name[len(self.prefix) + 1 :].partition(":")
+            if is_namespace_dir(namespace) and _CHUNK_KEY.fullmatch(key):
+                if namespaces is None or namespaces(namespace):
+                    names.append((name, namespace, key))
+            if len(names) == LIST_PAGE:
+                yield await self._describe(names)
+                names = []
         if names:
             yield await self._describe(names)
 
