@@ -80,7 +80,10 @@ def _node_failed_seen_by(survivor: redis.Redis) -> bool:
     return any("fail" in str(node["flags"]).split(",") for node in survivor.cluster("nodes").values())
 
 
-async def elapsed_raising(call: Callable[[], Awaitable[object]], error: type[BaseException] = RedisError) -> float:
+async def elapsed_raising(
+    call: Callable[[], Awaitable[object]],
+    error: type[BaseException] | tuple[type[BaseException], ...] = RedisError,
+) -> float:
     start = time.monotonic()
     with pytest.raises(error):
         await call()
@@ -474,11 +477,14 @@ async def test_cluster_survives_losing_a_node(make_backend: Callable[..., RedisB
                 assert await backend.get(key, (0, 4)) == b"new "
             assert await backend.get_many(alive) == [b"new " + k.encode() for k in alive]
             assert await backend.prefix_count(alive) == len(alive)
+            # A dead node answers "refused" or nothing (the cluster client retries its slot map first, which
+            # on a loaded machine can outlast the deadline): either way the call fails, within the deadline.
+            down = (RedisConnectionError, RedisTimeoutError)
             for key in gone:
-                took = await elapsed_raising(partial(backend.get, key), RedisConnectionError)
+                took = await elapsed_raising(partial(backend.get, key), down)
                 assert took < backend.operation_timeout + 2.0
-            with pytest.raises(RedisConnectionError):
-                await backend.get_many(keys)  # a batch touching the lost node fails as a whole
+            took = await elapsed_raising(partial(backend.get_many, keys), down)  # a batch touching it fails whole
+            assert took < backend.operation_timeout + 2.0
             for key in alive:
                 await backend.set(key, [key.encode()])
 
