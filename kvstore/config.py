@@ -195,6 +195,30 @@ class MetricsConfig(_Section):
     port: int = Field(9464, ge=0, le=65535, description="TCP port of /metrics; 0 picks a free one")
 
 
+class AdaptiveConfig(_Section):
+    """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.adaptive)."""
+
+    track: bool = Field(True, description="measure the hit rate against tier size online (costs ~0.1 us a key)")
+    sample_keys: int = Field(8192, ge=64, le=1 << 22, description="chunks the hit-rate sampler tracks at most")
+    max_sample_rate: float = Field(1 / 32, gt=0, le=1, description="largest fraction of chunks the sampler tracks")
+    half_life: int = Field(
+        1_000_000, ge=1000, description="chunk lookups after which old traffic counts half (adapts to phase changes)"
+    )
+    prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="your engine's prefill rate: what a hit saves (tokens per chunk / this)"
+    )
+    policy: Literal["write-through", "second-sighting"] = Field(
+        "write-through", description="write every chunk below DRAM, or only prefixes seen before"
+    )
+    auto: bool = Field(False, description="resize DRAM within [dram_min, dram_max] and switch policy as traffic changes")
+    dram_min: Size | None = Field(None, description="smallest DRAM size auto mode may pick (default dram.capacity/8)")
+    dram_max: Size | None = Field(None, description="largest DRAM size auto mode may pick (default dram.capacity)")
+    interval: float = Field(30.0, ge=0, description="seconds between auto mode's decisions, at least")
+    min_references: int = Field(20_000, ge=1, description="chunk lookups between auto mode's decisions, at least")
+    knee: float = Field(0.95, gt=0, le=1, description="pick the smallest DRAM size with this share of the largest's gain")
+    trace: Path | None = Field(None, description="append every chunk lookup to this trace file (for kvstore advise)")
+
+
 class StoreConfig(BaseSettings):
     """Everything a :class:`kvstore.KVStore` needs besides the model layout."""
 
@@ -209,9 +233,27 @@ class StoreConfig(BaseSettings):
     encryption: EncryptionConfig = Field(default_factory=EncryptionConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")
     tier_workers: int = Field(2, ge=1, le=64, description="concurrent writes per secondary tier")
     io_threads: int = Field(4, ge=1, le=256, description="threads for file I/O and codecs")
+
+    @model_validator(mode="after")
+    def _auto_bounds(self) -> StoreConfig:
+        low, high = self.dram_bounds()
+        if not low <= int(self.dram.capacity) <= high:
+            raise ValueError(
+                f"dram.capacity ({int(self.dram.capacity)} bytes) must lie within adaptive.dram_min ({low}) and "
+                f"adaptive.dram_max ({high}); widen the bounds or change dram.capacity"
+            )
+        return self
+
+    def dram_bounds(self) -> tuple[int, int]:
+        """The DRAM sizes auto mode may choose between (bytes)."""
+        capacity, adaptive = int(self.dram.capacity), self.adaptive
+        low = int(adaptive.dram_min) if adaptive.dram_min is not None else capacity // 8
+        high = int(adaptive.dram_max) if adaptive.dram_max is not None else capacity
+        return low, high
 
     def __init__(self, **values: Any) -> None:
         if _toml_file.get() is None and os.environ.get(CONFIG_FILE_ENV):

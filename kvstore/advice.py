@@ -1,0 +1,232 @@
+"""What a tier size and a write policy are worth: a cost model over a miss-ratio curve, and plain advice.
+
+Every figure is a fraction of *prefill compute*: the engine time that recomputing every chunk
+would take. A hit saves a chunk's recompute time less the time to load it; every chunk stored
+costs the copy into DRAM and the writes below it. So "net saving 40%" means the cache, all
+costs paid, gives back 40% of the prefill time the engine would otherwise spend.
+
+Tiers are inclusive (each lower tier holds what the faster ones hold, as write-through makes
+them), so a tier's cumulative hit rate is the curve at the larger of its size and the faster
+tiers' sizes. Remote tiers (Redis, S3) are taken as unbounded: their size is set by retention
+(``kvstore gc``, TTL), not by a budget.
+
+Write policies:
+- ``write-through``: every chunk put goes to every tier.
+- ``second-sighting``: a chunk goes below DRAM only once its prefix has been looked up before,
+  so one-off prompts cost a DRAM copy and nothing else. It gives up the lower-tier hits that
+  were chunks' second sightings (the profile measures those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvstore.mrc import ReuseProfile
+
+Policy = Literal["write-through", "second-sighting"]
+POLICIES: tuple[Policy, ...] = ("write-through", "second-sighting")
+SIZE_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8)  # the sizes advice shows, relative to the current one
+UNBOUNDED = float(1 << 40)  # chunks: "as large as retention lets it grow"
+
+
+@dataclass
+class TierCost:
+    """One tier below DRAM: its size, and seconds per chunk to read it back and to store it."""
+
+    name: str
+    capacity_chunks: float  # UNBOUNDED for remote tiers
+    read_s: float
+    write_s: float
+
+
+@dataclass
+class CostModel:
+    """Seconds per chunk for each thing a reference can cost or save."""
+
+    chunk_bytes: int
+    recompute_s: float  # chunk_tokens / prefill rate
+    dram_copy_s: float  # one copy of a chunk to or from DRAM
+    lower: list[TierCost] = field(default_factory=list)  # fastest first
+
+    def net_saving(self, profile: ReuseProfile, dram_chunks: float, policy: Policy) -> float:
+        """Net fraction of prefill compute the cache saves at this DRAM size under ``policy``."""
+        sizes = [dram_chunks] + [max(dram_chunks, tier.capacity_chunks) for tier in self.lower]
+        cumulative = [profile.hit_rate(size) for size in sizes]
+        second = [profile.second_sighting_hit_rate(size) for size in sizes]
+        saved = cumulative[0] * (self.recompute_s - self.dram_copy_s)
+        hits = cumulative[0]
+        for i, tier in enumerate(self.lower, start=1):
+            tier_hits = cumulative[i] - cumulative[i - 1]
+            if policy == "second-sighting":  # a chunk's second sighting finds nothing below DRAM yet
+                tier_hits -= second[i] - second[i - 1]
+            saved += tier_hits * (self.recompute_s - tier.read_s - self.dram_copy_s)
+            hits += tier_hits
+        write_below = sum(tier.write_s for tier in self.lower)
+        misses = max(0.0, 1.0 - hits)
+        if policy == "write-through":
+            written_below = misses
+        else:  # repeats that missed, plus DRAM hits on second sightings (cascaded then)
+            written_below = max(0.0, misses - profile.cold_fraction) + second[0]
+        cost = misses * self.dram_copy_s + written_below * write_below
+        return (saved - cost) / self.recompute_s
+
+    def hit_rate(self, profile: ReuseProfile, dram_chunks: float, policy: Policy) -> float:
+        """Fraction of lookups served by some tier."""
+        if not self.lower:
+            return profile.hit_rate(dram_chunks)
+        largest = max(dram_chunks, max(tier.capacity_chunks for tier in self.lower))
+        rate = profile.hit_rate(largest)
+        if policy == "second-sighting":
+            rate -= profile.second_sighting_hit_rate(largest) - profile.second_sighting_hit_rate(dram_chunks)
+        return rate
+
+
+@dataclass
+class SizeRow:
+    dram_bytes: int
+    dram_hit_rate: float  # of lookups, served by DRAM
+    hit_rate: float  # of lookups, served by some tier (under the recommended policy)
+    net_saving: float  # fraction of prefill compute (under the recommended policy)
+
+
+@dataclass
+class Advice:
+    references: float
+    sample_rate: float
+    cold_fraction: float
+    policy: Policy  # in force now
+    recommended_policy: Policy
+    savings: dict[str, float]  # per policy, at the current DRAM size
+    dram_bytes: int
+    recommended_dram_bytes: int
+    rows: list[SizeRow]
+    disk_rows: list[tuple[int, float]]  # disk bytes, cumulative hit rate (DRAM + disk) at the current DRAM size
+    verdict: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def advise(
+    profile: ReuseProfile,
+    cost: CostModel,
+    dram_bytes: int,
+    policy: Policy = "write-through",
+    *,
+    bounds: tuple[int, int] | None = None,
+    knee: float = 0.95,
+) -> Advice:
+    """The hit rate and net saving at DRAM sizes around ``dram_bytes``, the size and policy to use, and why.
+
+    ``bounds`` (bytes) limits the recommendation (auto mode's configured range); by default the
+    sizes shown are 1/8x to 8x of the current one. The recommended size is the smallest whose
+    gain over the smallest size is at least ``knee`` of the largest size's gain: past it, more
+    DRAM buys little.
+    """
+    chunk = cost.chunk_bytes
+    low, high = bounds if bounds is not None else (int(dram_bytes / 8), int(dram_bytes * 8))
+    low, high = max(chunk, low), max(chunk, high)
+    savings = {p: cost.net_saving(profile, dram_bytes / chunk, p) for p in POLICIES}
+    best_policy = choose_policy(profile, cost, high / chunk, policy)
+    grid = _size_grid(low, high, chunk)
+    net = [cost.net_saving(profile, size / chunk, best_policy) for size in grid]
+    gain_full = net[-1] - net[0]
+    recommended = grid[0] if gain_full <= 1e-3 else next(s for s, n in zip(grid, net) if n - net[0] >= knee * gain_full)
+    shown = sorted({int(dram_bytes * f) // chunk * chunk for f in SIZE_FACTORS if dram_bytes * f >= chunk})
+    shown = sorted(set(shown) | {recommended})
+    rows = [
+        SizeRow(
+            size,
+            profile.hit_rate(size / chunk),
+            cost.hit_rate(profile, size / chunk, best_policy),
+            cost.net_saving(profile, size / chunk, best_policy),
+        )
+        for size in shown
+    ]
+    disk_rows = []
+    bounded = [tier for tier in cost.lower if tier.capacity_chunks < UNBOUNDED]
+    if bounded:
+        disk = bounded[0].capacity_chunks * chunk
+        for factor in SIZE_FACTORS:
+            size = disk * factor
+            disk_rows.append((int(size), profile.hit_rate(max(size, dram_bytes) / chunk)))
+    advice = Advice(
+        references=profile.references,
+        sample_rate=profile.sample_rate,
+        cold_fraction=profile.cold_fraction,
+        policy=policy,
+        recommended_policy=best_policy,
+        savings=savings,
+        dram_bytes=dram_bytes,
+        recommended_dram_bytes=recommended,
+        rows=rows,
+        disk_rows=disk_rows,
+        verdict=[],
+    )
+    advice.verdict = _verdict(advice, profile, cost)
+    return advice
+
+
+def choose_policy(profile: ReuseProfile, cost: CostModel, dram_chunks: float, current: Policy, margin: float = 0.01) -> Policy:
+    """The policy with the larger net saving; the current one unless the other wins by ``margin``."""
+    if not cost.lower:
+        return current  # nothing below DRAM: the policy changes nothing
+    other: Policy = "second-sighting" if current == "write-through" else "write-through"
+    gain = cost.net_saving(profile, dram_chunks, other) - cost.net_saving(profile, dram_chunks, current)
+    return other if gain > margin else current
+
+
+def _size_grid(low: int, high: int, chunk: int, points: int = 48) -> list[int]:
+    """Sizes from ``low`` to ``high`` (whole chunks), evenly spaced on a log scale."""
+    sizes = np.geomspace(low, high, points) if high > low else np.array([low])
+    return sorted({max(chunk, int(size) // chunk * chunk) for size in sizes})
+
+
+def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel) -> list[str]:
+    lines: list[str] = []
+    if profile.references < 1000:
+        lines.append(f"only {profile.references:,.0f} chunk lookups seen: too few to judge; look again later.")
+    now = advice.savings[advice.policy]
+    chunk = cost.chunk_bytes
+    dram_rate = profile.hit_rate(advice.dram_bytes / chunk)
+    total = cost.hit_rate(profile, advice.dram_bytes / chunk, advice.policy)
+    lines.append(
+        f"hit rate {total:.0%} ({dram_rate:.0%} from DRAM) over {profile.references:,.0f} chunk lookups; "
+        f"{profile.cold_fraction:.0%} were first sightings, which no cache can serve."
+    )
+    if advice.recommended_policy != advice.policy:
+        better = advice.savings[advice.recommended_policy]
+        if advice.recommended_policy == "second-sighting":
+            lines.append(
+                f"at {total:.0%} hits, storing every chunk below DRAM costs more than it returns "
+                f"(net saving {now:+.1%} of prefill); use selective writes (policy 'second-sighting': {better:+.1%})."
+            )
+        else:
+            lines.append(
+                f"prefixes come back often enough that write-through pays: net saving {better:+.1%} of prefill "
+                f"against {now:+.1%} with selective writes."
+            )
+    else:
+        lines.append(f"policy '{advice.policy}' is the better one here: net saving {now:+.1%} of prefill.")
+    size, recommended = advice.dram_bytes, advice.recommended_dram_bytes
+    at_recommended = next(row for row in advice.rows if row.dram_bytes == recommended)
+    if recommended < size * 0.9:
+        lines.append(
+            f"DRAM: {_gib(recommended)} gets nearly all that {_gib(size)} does "
+            f"({at_recommended.dram_hit_rate:.0%} against {dram_rate:.0%} from DRAM); shrink it and give the memory back."
+        )
+    elif recommended > size * 1.1:
+        lines.append(
+            f"DRAM: the working set is larger than {_gib(size)}; {_gib(recommended)} would serve "
+            f"{at_recommended.dram_hit_rate:.0%} of lookups from DRAM (now {dram_rate:.0%})."
+        )
+    else:
+        lines.append(f"DRAM: {_gib(size)} is about right for this traffic.")
+    return lines
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.1f} MiB"
