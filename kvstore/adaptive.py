@@ -64,6 +64,11 @@ class AccessTracker:
         if self._pending_count >= DRAIN_REFERENCES:
             self.drain()
 
+    @property
+    def pending(self) -> int:
+        """Keys noted but not processed yet."""
+        return self._pending_count
+
     def drain(self) -> None:
         """Process the pending lookups (cheap when there are none)."""
         if not self._pending:

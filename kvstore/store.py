@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from kvstore import metrics
+from kvstore.adaptive import AccessTracker, AdaptiveCounters, HeldBack
+from kvstore.advice import UNBOUNDED, Advice, CostModel, Policy, TierCost, advise
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
-from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
+from kvstore.config import ConfigError, RedisConfig, S3Config, StoreConfig, TimeoutConfig
 from kvstore.crypto import ChunkCipher
 from kvstore.dram import SlabPool
 from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
@@ -65,7 +67,15 @@ class KVStore:
         self.namespace = namespace
         self._salt = salt
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
-        self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory)
+        adaptive = config.adaptive
+        most = config.dram_bounds()[1] if adaptive.auto else int(config.dram.capacity)
+        self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most)
+        self.policy: Policy = adaptive.policy
+        self.adaptive = AdaptiveCounters(self.policy)
+        self._tracker: AccessTracker | None = None
+        self._held_back = HeldBack(2 * self.pool.max_slots)
+        self._adapting: asyncio.Task[None] | None = None
+        self._decided_at = (0, time.monotonic())  # (references, time) of auto mode's last decision
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
         self._counters = {
             "puts": 0,
@@ -110,6 +120,7 @@ class KVStore:
             raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
         if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
             self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
+        self._tracker = self._make_tracker()  # before any I/O too: a trace path that fails stops the store here
         for tier in self.tiers:
             await tier.open()
         for tier in self.tiers:
@@ -157,6 +168,11 @@ class KVStore:
                 await asyncio.wait_for(tier.close(), self.config.timeouts.close)
             except Exception as exc:
                 log.warning("close: %s tier did not close cleanly: %r", tier.name, exc)
+        if self._tracker is not None:
+            try:
+                self._tracker.close()
+            except OSError as exc:
+                log.warning("close: the access trace could not be written: %r", exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._state = "closed"
         metrics.unregister(self)
@@ -187,6 +203,9 @@ class KVStore:
         if self.pool.contains(key):
             self._counters["put_duplicate"] += 1
             return True
+        below = self.tiers
+        if self.policy == "second-sighting" and self.tiers and self._tracker and not self._tracker.seen_before(key):
+            below = []  # a first sighting: DRAM only, until its prefix is looked up again
         slot = self.pool.reserve()
         if slot is None:
             self._counters["put_rejected"] += 1
@@ -196,7 +215,10 @@ class KVStore:
             if not self.pool.publish(slot, key):  # another put of the same key won the race
                 self._counters["put_duplicate"] += 1
                 return True
-            self._enqueue(self.tiers, key, slot)
+            self._enqueue(below, key, slot)
+            if below is not self.tiers:
+                self._held_back.add(key)
+                self.adaptive.held_back += 1
         finally:
             self.pool.release(slot)
         await asyncio.sleep(0)  # let the cascade workers start this write while the engine goes on
@@ -241,6 +263,10 @@ class KVStore:
         keys = list(keys)
         for key in keys:
             key_to_bytes(key)
+        if self._tracker is not None:
+            self._tracker.note(keys)
+            if self.config.adaptive.auto:
+                self._maybe_adapt()
         count = 0
         while count < len(keys):
             if self.pool.contains(keys[count]):
@@ -289,6 +315,8 @@ class KVStore:
         self._counters["gets"] += len(keys)
         slots: list[int | None] = [self.pool.acquire(key) for key in keys]
         try:
+            if len(self._held_back):
+                self._release_held_back(keys, slots)
             missing = [i for i, slot in enumerate(slots) if slot is None]
             if missing and self.tiers:
                 promoted = await self._promote([keys[i] for i in missing])
@@ -423,6 +451,128 @@ class KVStore:
 
         return release
 
+    def _release_held_back(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
+        """DRAM hits on chunks the second-sighting policy kept from the lower tiers: a second sighting, so send them."""
+        for key, slot in zip(keys, slots, strict=True):
+            if slot is not None and self._held_back.take(key):
+                self._enqueue(self.tiers, key, slot)
+                self.adaptive.released += 1
+
+    # -- adaptive sizing -----------------------------------------------------------------------
+
+    def _make_tracker(self) -> AccessTracker | None:
+        adaptive = self.config.adaptive
+        wanted = adaptive.track or adaptive.auto or adaptive.policy != "write-through" or adaptive.trace is not None
+        if not wanted:
+            return None
+        meta = {
+            "chunk_tokens": self.layout.chunk_tokens,
+            "chunk_bytes": self.layout.chunk_nbytes,
+            "layout": self.layout.describe(),
+            "namespace": namespace_dir(self.namespace),
+            "dram_bytes": self.pool.capacity_bytes,
+            "started": time.time(),
+        }
+        try:
+            return AccessTracker(
+                max_keys=adaptive.sample_keys,
+                max_rate=adaptive.max_sample_rate,
+                half_life=adaptive.half_life,
+                count_sightings=adaptive.auto or adaptive.policy != "write-through",
+                trace_path=adaptive.trace,
+                trace_meta=meta,
+            )
+        except OSError as exc:
+            raise ConfigError(f"adaptive.trace: cannot create {adaptive.trace} ({exc}); fix the path") from None
+
+    def cost_model(self) -> CostModel:
+        """Seconds per chunk to recompute, copy in DRAM and use each tier: this store's own timings where it has them."""
+        chunk = self.layout.chunk_nbytes
+        lower = []
+        for tier in self.tiers:
+            stats, latency = tier.stats, tier.latency
+            default_read, default_write = (2e9, 1e9) if tier.is_local else (1e9, 1e9)
+            read_s = latency.read.sum / stats.hits if stats.hits >= 8 else chunk / default_read
+            writes = stats.writes + stats.skipped
+            write_s = latency.write.sum / writes if writes >= 8 else chunk / default_write
+            capacity = getattr(tier.backend, "capacity_bytes", None)
+            stored = stats.bytes_written / stats.writes if stats.writes else chunk
+            chunks = capacity / max(1.0, stored) if capacity else UNBOUNDED
+            lower.append(TierCost(tier.name, chunks, read_s, write_s))
+        return CostModel(
+            chunk_bytes=chunk,
+            recompute_s=self.layout.chunk_tokens / self.config.adaptive.prefill_tokens_per_s,
+            dram_copy_s=chunk / _copy_bandwidth(),
+            lower=lower,
+        )
+
+    def advise(self, bounds: tuple[int, int] | None = None) -> Advice:
+        """Hit rate against DRAM size for the traffic seen so far, the size and write policy to use, and why.
+
+        ``bounds`` (bytes) limits the recommended size; by default sizes from 1/8x to 8x are considered.
+        """
+        self._check_open()
+        if self._tracker is None:
+            raise RuntimeError("advise() needs the access tracker: set adaptive.track = true")
+        return advise(
+            self._tracker.profile(),
+            self.cost_model(),
+            self.pool.capacity_bytes,
+            self.policy,
+            bounds=bounds,
+            knee=self.config.adaptive.knee,
+        )
+
+    def _maybe_adapt(self) -> None:
+        """Start a decision when enough lookups and time have passed since the last one (auto mode)."""
+        assert self._tracker is not None
+        references, at = self._decided_at
+        seen = self._tracker.references + self._tracker.pending
+        if self._adapting is not None and not self._adapting.done():
+            return
+        adaptive = self.config.adaptive
+        if seen - references < adaptive.min_references or time.monotonic() - at < adaptive.interval:
+            return
+        self._decided_at = (seen, time.monotonic())
+        self._adapting = asyncio.create_task(self._adapt(), name="kvstore-adapt")
+
+    async def _adapt(self) -> None:
+        """One auto-mode decision: resize DRAM within the bounds, switch the write policy; each change logged."""
+        try:
+            advice = self.advise(bounds=self.config.dram_bounds())
+            self.adaptive.decisions += 1
+            policy = advice.recommended_policy
+            if policy != self.policy:
+                log.info(
+                    "auto: write policy %s -> %s (net saving %+.1f%% -> %+.1f%% of prefill)",
+                    self.policy,
+                    policy,
+                    100 * advice.savings[self.policy],
+                    100 * advice.savings[policy],
+                )
+                self.policy = self.adaptive.policy = policy
+                self.adaptive.policy_switches += 1
+            before = self.pool.capacity_bytes
+            target = advice.recommended_dram_bytes
+            if target != before:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._executor, self.pool.resize, target)
+                after = self.pool.capacity_bytes
+                if after != before:
+                    self.adaptive.resizes += 1
+                    if after > before:
+                        self.adaptive.grown += 1
+                    else:
+                        self.adaptive.shrunk += 1
+                    log.info(
+                        "auto: DRAM %.1f MiB -> %.1f MiB (DRAM hit rate %.0f%% expected)",
+                        before / 2**20,
+                        after / 2**20,
+                        100 * next(r.dram_hit_rate for r in advice.rows if r.dram_bytes == target),
+                    )
+        except Exception:
+            log.exception("auto: a sizing decision failed; the store keeps its current size and policy")
+
     def prefetch(
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
     ) -> LayerStream:
@@ -448,7 +598,15 @@ class KVStore:
             tier.name: {**tier.stats_dict(), "queued": queue.qsize()}
             for tier, queue in zip(self.tiers, self._queues, strict=False)
         }
-        return {"store": dict(self._counters), "dram": self.pool.stats(), **tiers}
+        adaptive: dict[str, Any] = self.adaptive.as_dict()
+        if self._tracker is not None:
+            profile = self._tracker.profile()
+            adaptive |= {
+                "lookups_tracked": self._tracker.references,
+                "sample_rate": profile.sample_rate,
+                "dram_hit_rate_estimate": profile.hit_rate(self.pool.num_slots),
+            }
+        return {"store": dict(self._counters), "dram": self.pool.stats(), "adaptive": adaptive, **tiers}
 
     def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:
         if tuple(tensor.shape) != self.layout.chunk_shape or tensor.dtype != self.layout.dtype:
@@ -456,6 +614,22 @@ class KVStore:
                 f"{what} must be a {self.layout.dtype} tensor of shape {self.layout.chunk_shape} "
                 f"([layers, planes, tokens, heads, head_dim]), got {tensor.dtype} {tuple(tensor.shape)}"
             )
+
+
+_copy_rate: float | None = None
+
+
+def _copy_bandwidth() -> float:
+    """Bytes per second of a copy into pre-allocated memory, measured once per process (~10 ms)."""
+    global _copy_rate
+    if _copy_rate is None:
+        source, target = torch.ones(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
+        target.copy_(source)  # first touch
+        start = time.perf_counter()
+        for _ in range(4):
+            target.copy_(source)
+        _copy_rate = 4 * source.numel() / max(1e-6, time.perf_counter() - start)
+    return _copy_rate
 
 
 def remote_backend(

@@ -1,0 +1,185 @@
+"""Replays synthetic traffic into real stores: fixed configurations against auto mode, and the tracker's cost.
+
+``python -m kvstore.bench_adaptive`` (or ``kvstore bench --adaptive``) prints, per workload:
+the prefix hit rate, the DRAM hit rate and the bytes written below DRAM for each fixed DRAM
+size under write-through and second-sighting, then for auto mode; and the time the tracking
+adds to ``lookup`` against the same store with tracking off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore import traces
+from kvstore.config import StoreConfig
+from kvstore.layout import KVLayout
+from kvstore.store import KVStore
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # 1 KiB chunks: traffic, not bytes
+
+
+@dataclass
+class ReplayResult:
+    label: str
+    references: int
+    prefix_hits: int  # chunks lookup() found (the prefix an engine would load instead of computing)
+    dram_hits: int  # of which, served from DRAM
+    written_below: int  # bytes written to the tiers below DRAM
+    dram_bytes_end: int
+    policy_end: str
+    adaptive: dict[str, Any]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / max(1, self.references)
+
+    @property
+    def dram_hit_rate(self) -> float:
+        return self.dram_hits / max(1, self.references)
+
+
+async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "") -> ReplayResult:
+    """Each chain as an engine would send it: lookup, load the prefix found, put the chunks it computed."""
+    chunk = torch.zeros(store.layout.chunk_shape, dtype=store.layout.dtype)
+    outs = [torch.empty_like(chunk) for _ in range(max((len(c) for c in chains), default=0))]
+    references = prefix_hits = 0
+    for chain in chains:
+        keys = [traces.trace_key(int(i)) for i in chain]
+        found = await store.lookup(keys)
+        references += len(keys)
+        prefix_hits += found
+        if found:
+            await store.get_many(keys[:found], outs[:found])
+        for key in keys[found:]:
+            await store.put(key, chunk)
+    await store.flush()
+    stats = store.stats()
+    below = sum(tier.stats.hits for tier in store.tiers)
+    return ReplayResult(
+        label=label,
+        references=references,
+        prefix_hits=prefix_hits,
+        dram_hits=stats["store"]["hits"] - below,
+        written_below=sum(tier.stats.bytes_written for tier in store.tiers),
+        dram_bytes_end=store.pool.capacity_bytes,
+        policy_end=store.policy,
+        adaptive=stats["adaptive"],
+    )
+
+
+def store_config(directory: Path, dram_chunks: int, disk_chunks: int, **adaptive: Any) -> StoreConfig:
+    chunk = LAYOUT.chunk_nbytes
+    return StoreConfig(
+        dram={"capacity": dram_chunks * chunk, "pin_memory": "never"},
+        disk={"path": directory, "capacity": disk_chunks * (chunk + 4096)},
+        adaptive=adaptive,
+        queue_depth=100_000,  # a replay outruns the disk; the comparison is about what is written, not drops
+    )
+
+
+async def run_config(chains: Sequence[np.ndarray], label: str, dram_chunks: int, disk_chunks: int, **adaptive: Any):
+    with tempfile.TemporaryDirectory(prefix="kvstore-adaptive-") as directory:
+        config = store_config(Path(directory), dram_chunks, disk_chunks, **adaptive)
+        async with KVStore(config, LAYOUT, "bench") as store:
+            return await replay(store, chains, label)
+
+
+WORKLOADS = {
+    "zipf prefixes": lambda n: traces.zipf_prefixes(n, seed=1),
+    "multi-turn": lambda n: traces.multi_turn(max(1, n // 5), seed=2),
+    "rag": lambda n: traces.rag(n, seed=3),
+    "all unique": lambda n: traces.all_unique(n, seed=4),
+    "phase change": lambda n: traces.phase_change(
+        traces.zipf_prefixes(n // 2, seed=5), traces.all_unique(n // 2, seed=6)
+    ),
+}
+
+
+async def compare(requests: int, dram_chunks: int, disk_chunks: int) -> dict[str, list[ReplayResult]]:
+    """Per workload: fixed write-through at 1/8x, 1x, 8x DRAM, fixed second-sighting at 1x, then auto in [1/8x, 8x]."""
+    chunk = LAYOUT.chunk_nbytes
+    results: dict[str, list[ReplayResult]] = {}
+    for name, make in WORKLOADS.items():
+        chains = make(requests)
+        rows = []
+        for factor in (1 / 8, 1, 8):
+            size = max(1, int(dram_chunks * factor))
+            rows.append(await run_config(chains, f"write-through, {size} chunks", size, disk_chunks, track=False))
+        rows.append(
+            await run_config(
+                chains, f"second-sighting, {dram_chunks} chunks", dram_chunks, disk_chunks, policy="second-sighting"
+            )
+        )
+        auto = {
+            "auto": True,
+            "dram_min": max(1, dram_chunks // 8) * chunk,
+            "dram_max": dram_chunks * 8 * chunk,
+            "interval": 0,
+            "min_references": 5000,
+            "half_life": 20_000,
+        }
+        rows.append(await run_config(chains, "auto", dram_chunks, disk_chunks, **auto))
+        results[name] = rows
+    return results
+
+
+async def lookup_overhead(lookups: int = 20_000, chain: int = 16) -> dict[str, float]:
+    """Seconds per ``lookup`` of a ``chain``-chunk prefix, all in DRAM (the cheapest lookup there is), tracking off and on."""
+    timings: dict[str, float] = {}
+    chains = traces.zipf_prefixes(lookups, prefixes=64, prefix_chunks=chain, suffix_chunks=0, seed=7)
+    for label, track in (("untracked", False), ("tracked", True)):
+        with tempfile.TemporaryDirectory(prefix="kvstore-adaptive-") as directory:
+            config = store_config(Path(directory), 64 * chain + 16, 100_000, track=track)
+            async with KVStore(config, LAYOUT, "bench") as store:
+                key_chains = [[traces.trace_key(int(i)) for i in c] for c in chains]
+                chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+                for keys in key_chains[:2000]:  # warm: every prefix into DRAM
+                    for key in keys[await store.lookup(keys) :]:
+                        await store.put(key, chunk)
+                await store.flush()
+                start = time.perf_counter()
+                for keys in key_chains:
+                    await store.lookup(keys)
+                timings[label] = (time.perf_counter() - start) / len(key_chains)
+    return timings
+
+
+def main(requests: int = 20_000, dram_chunks: int = 2000, disk_chunks: int = 20_000) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    results = asyncio.run(compare(requests, dram_chunks, disk_chunks))
+    for name, rows in results.items():
+        table = Table(title=f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks")
+        for column in ("configuration", "hit rate", "DRAM hit rate", "written below DRAM", "DRAM at end", "policy"):
+            table.add_column(column, justify="left" if column == "configuration" else "right")
+        for row in rows:
+            table.add_row(
+                row.label,
+                f"{row.hit_rate:.1%}",
+                f"{row.dram_hit_rate:.1%}",
+                f"{row.written_below / 2**20:.1f} MiB",
+                f"{row.dram_bytes_end // LAYOUT.chunk_nbytes:,} chunks",
+                row.policy_end,
+            )
+        console.print(table)
+    timings = asyncio.run(lookup_overhead())
+    extra = timings["tracked"] / timings["untracked"] - 1
+    console.print(
+        f"lookup of 16 chunks, all in DRAM: {timings['untracked'] * 1e6:.1f} us untracked, "
+        f"{timings['tracked'] * 1e6:.1f} us tracked ({extra:+.1%})"
+    )
+
+
+if __name__ == "__main__":
+    main()

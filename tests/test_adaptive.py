@@ -1,0 +1,174 @@
+"""Adaptive sizing on live stores: tracking, advice, the second-sighting policy and auto mode, on replayed traffic."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore import traces
+from kvstore.bench_adaptive import LAYOUT, ReplayResult, replay, store_config
+from kvstore.config import ConfigError, StoreConfig
+from kvstore.store import KVStore
+
+CHUNK = LAYOUT.chunk_nbytes
+
+
+async def run(tmp_path: Path, chains: list[np.ndarray], dram: int, disk: int = 50_000, **adaptive) -> ReplayResult:
+    directory = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
+    async with KVStore(store_config(directory, dram, disk, **adaptive), LAYOUT, "adaptive") as store:
+        return await replay(store, chains)
+
+
+AUTO = {"auto": True, "interval": 0, "min_references": 4000, "half_life": 20_000}
+
+
+# -- tracking and advice on a live store ---------------------------------------------------------
+
+
+async def test_live_store_estimates_the_dram_hit_rate_of_its_own_traffic(tmp_path: Path) -> None:
+    chains = traces.multi_turn(1500, seed=11)
+    ids = traces.flatten(chains)
+    async with KVStore(store_config(tmp_path, 1000, 50_000), LAYOUT, "adaptive") as store:
+        await replay(store, chains)
+        advice = store.advise()
+        profile = store._tracker.profile()
+    sizes = [125, 250, 500, 1000, 2000, 4000, 8000]
+    exact = traces.exact_lru_hit_rates(ids, sizes)
+    estimated = profile.hit_rates(sizes)
+    assert max(abs(a - b) for a, b in zip(estimated, exact, strict=True)) < 0.05, (estimated, exact)
+    assert profile.references == len(ids)
+    # the advice shows 1/8x .. 8x of the current size, and the rows agree with the curve
+    assert [row.dram_bytes for row in advice.rows][0] == 125 * CHUNK
+    assert max(row.dram_bytes for row in advice.rows) == 8000 * CHUNK
+    for row in advice.rows:
+        assert row.dram_hit_rate == pytest.approx(profile.hit_rate(row.dram_bytes / CHUNK))
+    assert advice.verdict and "hit rate" in advice.verdict[0]
+
+
+async def test_advise_needs_tracking(tmp_path: Path) -> None:
+    async with KVStore(store_config(tmp_path, 100, 1000, track=False), LAYOUT, "adaptive") as store:
+        with pytest.raises(RuntimeError, match="adaptive.track"):
+            store.advise()
+        assert "dram_hit_rate_estimate" not in store.stats()["adaptive"]
+
+
+async def test_all_unique_traffic_is_judged_not_worth_writing_below(tmp_path: Path) -> None:
+    async with KVStore(store_config(tmp_path, 500, 50_000), LAYOUT, "adaptive") as store:
+        await replay(store, traces.all_unique(3000, seed=12))
+        advice = store.advise()
+    assert advice.cold_fraction == pytest.approx(1.0)
+    assert advice.recommended_policy == "second-sighting"
+    assert advice.savings["second-sighting"] > advice.savings["write-through"]
+    assert advice.recommended_dram_bytes == min(row.dram_bytes for row in advice.rows)
+    assert any("selective writes" in line for line in advice.verdict)
+
+
+# -- the second-sighting write policy -------------------------------------------------------------
+
+
+async def test_second_sighting_writes_nothing_below_for_one_off_prompts(tmp_path: Path) -> None:
+    fixed = await run(tmp_path, traces.all_unique(2000, seed=13), 500)
+    selective = await run(tmp_path, traces.all_unique(2000, seed=13), 500, policy="second-sighting")
+    assert fixed.written_below >= 2000 * 8 * CHUNK
+    assert selective.written_below == 0
+    assert selective.adaptive["held_back"] == 2000 * 8
+
+
+async def test_second_sighting_writes_a_prefix_once_it_comes_back(tmp_path: Path) -> None:
+    config = store_config(tmp_path, 64, 10_000, policy="second-sighting")
+    first, other = traces.all_unique(2, chunks=4, seed=14)
+    keys = [traces.trace_key(int(i)) for i in first]
+    async with KVStore(config, LAYOUT, "adaptive") as store:
+        (disk,) = store.tiers
+        await replay(store, [first])
+        assert not any(disk.holds(key) for key in keys), "a first sighting stays in DRAM"
+        await replay(store, [first])  # looked up again: a DRAM hit, so it goes below now
+        assert all(disk.holds(key) for key in keys)
+        assert store.stats()["adaptive"]["released"] == 4
+        # a prefix evicted from DRAM before it came back is written when it is computed again
+        chunks = [traces.trace_key(int(i)) for i in other]
+        await replay(store, [other])
+        for key in chunks:
+            assert store.pool.discard(key)
+        result = await replay(store, [other])
+        assert result.prefix_hits == 0
+        assert all(disk.holds(key) for key in chunks)
+        assert store.stats()["adaptive"]["released"] == 4  # written by the put, not released from DRAM
+
+
+# -- auto mode ----------------------------------------------------------------------------------------
+
+
+async def test_auto_mode_cuts_writes_on_all_unique_traffic(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    chains = traces.all_unique(5000, seed=15)
+    fixed = await run(tmp_path, chains, 1000)
+    with caplog.at_level(logging.INFO, logger="kvstore"):
+        auto = await run(tmp_path, chains, 1000, **AUTO, dram_min=125 * CHUNK, dram_max=8000 * CHUNK)
+    assert auto.written_below <= 0.5 * fixed.written_below, (auto.written_below, fixed.written_below)
+    assert auto.policy_end == "second-sighting"
+    assert auto.adaptive["policy_switches"] >= 1
+    assert auto.dram_bytes_end < 1000 * CHUNK, "no reuse: DRAM shrinks toward its minimum"
+    assert auto.adaptive["shrunk"] >= 1
+    assert any("write policy write-through -> second-sighting" in r.getMessage() for r in caplog.records)
+    assert any("auto: DRAM" in r.getMessage() for r in caplog.records)
+
+
+async def test_auto_mode_keeps_the_hit_rate_of_the_best_fixed_size(tmp_path: Path) -> None:
+    chains = traces.zipf_prefixes(6000, prefixes=400, seed=16)
+    fixed = [await run(tmp_path, chains, size, track=False) for size in (125, 1000, 8000)]
+    auto = await run(tmp_path, chains, 1000, **AUTO, dram_min=125 * CHUNK, dram_max=8000 * CHUNK)
+    best = max(fixed, key=lambda result: result.hit_rate)
+    assert auto.hit_rate >= 0.95 * best.hit_rate, ([r.hit_rate for r in fixed], auto.hit_rate)
+    best_dram = max(result.dram_hit_rate for result in fixed)
+    assert auto.dram_hit_rate >= 0.95 * best_dram, ([r.dram_hit_rate for r in fixed], auto.dram_hit_rate)
+    assert auto.policy_end == "write-through"
+    assert auto.adaptive["decisions"] >= 3
+
+
+async def test_auto_mode_follows_a_phase_change(tmp_path: Path) -> None:
+    chains = traces.phase_change(traces.zipf_prefixes(4000, prefixes=300, seed=17), traces.all_unique(6000, seed=18))
+    auto = await run(tmp_path, chains, 1000, **AUTO, dram_min=125 * CHUNK, dram_max=8000 * CHUNK)
+    assert auto.adaptive["grown"] >= 1, "the Zipf phase wants more DRAM"
+    assert auto.policy_end == "second-sighting", "the unique phase does not pay for writes below"
+    assert auto.dram_bytes_end < 1000 * CHUNK
+
+
+def test_auto_bounds_must_contain_the_capacity(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="adaptive.dram_max"):
+        StoreConfig(dram={"capacity": "1GiB"}, adaptive={"auto": True, "dram_max": "512MiB"})
+
+
+# -- the access trace ------------------------------------------------------------------------------------
+
+
+async def test_store_writes_a_trace_of_every_lookup(tmp_path: Path) -> None:
+    path = tmp_path / "lookups.kvtrace"
+    chains = traces.rag(300, seed=19)
+    async with KVStore(store_config(tmp_path / "disk", 200, 10_000, trace=path), LAYOUT, "adaptive") as store:
+        await replay(store, chains)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    trace = traces.read_trace(path)
+    assert trace.meta["chunk_bytes"] == CHUNK and trace.meta["chunk_tokens"] == LAYOUT.chunk_tokens
+    assert len(trace) == sum(len(chain) for chain in chains)
+    assert [chain.tolist() for chain in trace.requests_as_chains()] == [chain.tolist() for chain in chains]
+    assert np.all(np.diff(trace.times) >= 0)
+
+
+async def test_a_trace_path_that_cannot_be_written_fails_at_open(tmp_path: Path) -> None:
+    config = store_config(tmp_path, 100, 1000, trace=tmp_path / "missing" / "dir" / "t.kvtrace")
+    with pytest.raises(ConfigError, match="adaptive.trace"):
+        async with KVStore(config, LAYOUT, "adaptive"):
+            pass
+
+
+async def test_tracking_sees_the_keys_of_put_and_get_unchanged(tmp_path: Path) -> None:
+    """Tracking changes no result: the same traffic gives the same hits with tracking on and off."""
+    chains = traces.zipf_prefixes(1500, prefixes=100, seed=20)
+    off = await run(tmp_path, chains, 300, track=False)
+    on = await run(tmp_path, chains, 300, track=True)
+    assert (on.prefix_hits, on.dram_hits, on.written_below) == (off.prefix_hits, off.dram_hits, off.written_below)
