@@ -1,20 +1,31 @@
 """The DRAM primary tier: a pre-allocated slab of chunk-sized slots with LRU and ref-counts.
 
-All memory is allocated and touched once at start: allocating per chunk would pay the
-first-touch page faults (0.2-2.5 GB/s here) on every put. With CUDA present the slab is pinned
-so copies to and from the GPU run at full PCIe speed. A slot referenced by an in-flight
+Memory is allocated and touched once, when a segment is added: allocating per chunk would pay
+the first-touch page faults (0.2-2.5 GB/s here) on every put. With CUDA present the slab is
+pinned so copies to and from the GPU run at full PCIe speed. A slot referenced by an in-flight
 transfer is never evicted; when every slot is referenced, ``reserve`` returns None at once
 (the caller counts a rejected put) instead of waiting for memory.
 
-Thread-safe: the sync facade and worker threads touch it, so state sits behind one lock.
+The slab is held in segments so that ``resize`` can change the budget while the store runs and
+a shrink gives the memory back to the system, not only to the pool: growing allocates whole
+segments; shrinking retires the highest ones, and a retired segment's tensor is dropped once the
+last holder of one of its slots releases it. Without ``max_bytes`` the pool is one segment, as
+big as asked. Slot ids are global (``segment * seg_slots + i``) and stable, and the usable slots
+are always ``[0, num_slots)``. Per-slot views are built on first use, so opening a pool of
+millions of small slots costs only the allocation.
+
+Thread-safe: the sync facade and worker threads touch it, so state sits behind one lock; a
+growing ``resize`` allocates outside it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections import OrderedDict
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -23,6 +34,16 @@ from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.dram")
+
+SEGMENTS = 16
+"""How many segments a resizable pool's ``max_bytes`` is cut into: the step of a resize."""
+
+V = TypeVar("V")
+
+try:  # glibc; elsewhere freed segments go back as the allocator sees fit
+    _MALLOC_TRIM: Any = ctypes.CDLL(None).malloc_trim
+except (AttributeError, OSError):  # pragma: no cover - not glibc
+    _MALLOC_TRIM = None
 
 
 def _should_pin(pin_memory: Literal["auto", "always", "never"]) -> bool:
@@ -35,43 +56,92 @@ def _should_pin(pin_memory: Literal["auto", "always", "never"]) -> bool:
 
 
 class SlabPool:
-    """Fixed slots of ``layout.chunk_nbytes`` each; a key maps to at most one published slot."""
+    """Slots of ``layout.chunk_nbytes`` each, in segments; a key maps to at most one published slot.
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int, pin_memory: Literal["auto", "always", "never"] = "auto"):
+    ``max_bytes`` is the most ``resize`` may grow to, cut into 16 segments; without it the pool is
+    one segment of ``capacity_bytes`` and cannot resize.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        pin_memory: Literal["auto", "always", "never"] = "auto",
+        max_bytes: int | None = None,
+    ):
         self.layout = layout
-        slot_bytes = layout.chunk_nbytes
-        self.num_slots = capacity_bytes // slot_bytes
-        if self.num_slots < 1:
+        self.slot_bytes = layout.chunk_nbytes
+        if capacity_bytes // self.slot_bytes < 1:
             raise ValueError(
                 f"dram.capacity ({capacity_bytes} bytes) is smaller than one chunk "
-                f"({slot_bytes} bytes for {layout.describe()}); raise dram.capacity"
+                f"({self.slot_bytes} bytes for {layout.describe()}); raise dram.capacity"
             )
+        if max_bytes is not None and max_bytes < capacity_bytes:
+            raise ValueError(f"max_bytes must be at least capacity_bytes ({max_bytes} < {capacity_bytes})")
+        self.max_slots = (capacity_bytes if max_bytes is None else max_bytes) // self.slot_bytes
+        # no max_bytes: no resizing asked for, so one segment holds everything (as before segments)
+        self.seg_slots = self.max_slots if max_bytes is None else max(1, self.max_slots // SEGMENTS)
+        positions = -(-self.max_slots // self.seg_slots)
         self.pinned = _should_pin(pin_memory)
-        self._slab = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
-        self._slab.zero_()  # pre-touch every page now, not on the first put
-        self._tensors = [self._slab[i].view(layout.dtype).view(layout.chunk_shape) for i in range(self.num_slots)]
-        self._bytes = [tensor_bytes(self._slab[i]) for i in range(self.num_slots)]
         self._lock = threading.Lock()
+        self._resize_lock = threading.Lock()  # one resize at a time; its allocation runs outside _lock
+        self._segments: list[torch.Tensor | None] = [None] * positions
+        self._usable = 0  # segments [0, _usable) are usable; any allocated above them are retiring
+        self._retiring: dict[int, int] = {}  # retiring segment -> how many of its slots are still referenced
+        self._tensors: list[torch.Tensor | None] = [None] * self.max_slots  # views, built on first use
+        self._bytes: list[memoryview | None] = [None] * self.max_slots
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # published slots, least recent first
-        self._key_of: list[ChunkKey | None] = [None] * self.num_slots
-        self._refs = [0] * self.num_slots
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._key_of: list[ChunkKey | None] = [None] * self.max_slots
+        self._refs = [0] * self.max_slots
+        self._free: list[int] = []
+        self.num_slots = 0
         self.evictions = 0
+        self.resize_evictions = 0  # chunks dropped because a shrink retired their segment
+        self._grow(self._segments_for(capacity_bytes))
         log.info(
-            "DRAM pool: %d slots x %.2f MiB = %.1f MiB, %s",
+            "DRAM pool: %d slots x %.2f MiB = %.1f MiB (at most %.1f MiB), %s",
             self.num_slots,
-            slot_bytes / 2**20,
-            self.num_slots * slot_bytes / 2**20,
+            self.slot_bytes / 2**20,
+            self.capacity_bytes / 2**20,
+            self.max_bytes / 2**20,
             "pinned" if self.pinned else "pageable (no CUDA: pinning skipped)",
         )
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the usable slots (whole segments, so possibly more than asked for)."""
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        """The most the pool may grow to, in whole slots."""
+        return self.max_slots * self.slot_bytes
+
+    # -- views -------------------------------------------------------------------------------------
+
     def tensor(self, slot: int) -> torch.Tensor:
         """The slot as a chunk-shaped tensor (a view: valid while the caller holds a reference)."""
-        return self._tensors[slot]
+        view = self._tensors[slot]
+        return view if view is not None else self._build(slot, self._tensors, self._chunk_view)
 
     def buffer(self, slot: int) -> memoryview:
         """The slot's bytes (a zero-copy view for secondary tiers)."""
-        return self._bytes[slot]
+        view = self._bytes[slot]
+        return view if view is not None else self._build(slot, self._bytes, tensor_bytes)
+
+    def _chunk_view(self, row: torch.Tensor) -> torch.Tensor:
+        return row.view(self.layout.dtype).view(self.layout.chunk_shape)
+
+    def _build(self, slot: int, cache: list[V | None], make: Callable[[torch.Tensor], V]) -> V:
+        """A slot's view, cached under the lock so that freeing a segment cannot leave a stale one."""
+        with self._lock:
+            segment = self._segments[slot // self.seg_slots]
+            if segment is None:
+                raise IndexError(f"slot {slot} is not in an allocated segment")
+            view = cache[slot] = make(segment[slot % self.seg_slots])
+            return view
+
+    # -- slots -------------------------------------------------------------------------------------
 
     def reserve(self) -> int | None:
         """A private slot with one reference, evicting the least recently used unreferenced chunk.
@@ -95,10 +165,17 @@ class SlabPool:
             return slot
 
     def publish(self, slot: int, key: ChunkKey) -> bool:
-        """Make a reserved, filled slot findable under ``key``; False if the key was already there."""
+        """Make a reserved, filled slot findable under ``key``; False if the key was already there.
+
+        A slot whose segment a shrink retired meanwhile is taken (True: the caller goes on, e.g.
+        writes it to the next tier) but dropped at once, as if the shrink had come just after.
+        """
         with self._lock:
             if key in self._index:
                 return False
+            if slot >= self.num_slots:
+                self.resize_evictions += 1
+                return True
             self._index[key] = slot
             self._key_of[slot] = key
             return True
@@ -120,12 +197,22 @@ class SlabPool:
             self._refs[slot] += 1
 
     def release(self, slot: int) -> None:
+        """Drop one reference; the last one of a retiring segment frees that segment's memory."""
+        freed: list[torch.Tensor] = []
         with self._lock:
             if self._refs[slot] <= 0:
                 raise RuntimeError(f"release of unreferenced slot {slot}")
             self._refs[slot] -= 1
             if self._refs[slot] == 0 and self._key_of[slot] is None:
-                self._free.append(slot)
+                if slot < self.num_slots:
+                    self._free.append(slot)
+                else:
+                    position = slot // self.seg_slots
+                    self._retiring[position] -= 1
+                    if self._retiring[position] == 0:
+                        freed.append(self._free_segment(position))
+        if freed:
+            self._give_back(freed)
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -142,13 +229,112 @@ class SlabPool:
                 self._free.append(slot)
             return True
 
+    # -- resizing ----------------------------------------------------------------------------------
+
+    def resize(self, capacity_bytes: int) -> int:
+        """Grow or shrink the usable slots to ``capacity_bytes``; returns the new ``num_slots``.
+
+        Rounded up to whole segments, within one segment and ``max_bytes``. Chunks in retired
+        segments are dropped (``resize_evictions``); slots held there stay valid until released.
+        """
+        want = self._segments_for(capacity_bytes)
+        with self._resize_lock:
+            before = self.num_slots
+            if want > self._usable:
+                self._grow(want)
+            elif want < self._usable:
+                self._shrink(want)
+            if self.num_slots != before:
+                log.info(
+                    "DRAM pool resized: %d -> %d slots (%.1f MiB)", before, self.num_slots, self.capacity_bytes / 2**20
+                )
+            return self.num_slots
+
+    def _segments_for(self, capacity_bytes: int) -> int:
+        slots = max(0, capacity_bytes // self.slot_bytes)
+        return min(max(1, -(-slots // self.seg_slots)), len(self._segments))
+
+    def _span(self, position: int) -> range:
+        start = position * self.seg_slots
+        return range(start, min(start + self.seg_slots, self.max_slots))
+
+    def _grow(self, want: int) -> None:
+        """Make segments [_usable, want) usable: un-retire those still allocated, allocate the rest."""
+        fresh: dict[int, torch.Tensor] = {}
+        while True:
+            with self._lock:
+                # a retiring segment freed while we were allocating needs allocating too: go round again
+                missing = [p for p in range(self._usable, want) if self._segments[p] is None and p not in fresh]
+                if not missing:
+                    for position in range(self._usable, want):
+                        if self._segments[position] is None:
+                            self._segments[position] = fresh[position]
+                        else:
+                            del self._retiring[position]
+                    # lowest slots on top of the stack: reserve fills the pool from the bottom
+                    spans = [self._span(position) for position in reversed(range(self._usable, want))]
+                    self._free[:0] = [s for span in spans for s in reversed(span) if self._refs[s] == 0]
+                    self._usable = want
+                    self.num_slots = self._span(want - 1).stop
+                    return
+            for position in missing:
+                segment = torch.empty(
+                    (len(self._span(position)), self.slot_bytes), dtype=torch.uint8, pin_memory=self.pinned
+                )
+                fresh[position] = segment.zero_()  # pre-touch every page now, not on the first put
+
+    def _shrink(self, want: int) -> None:
+        """Retire segments [want, _usable): drop their chunks, free those nobody references now."""
+        freed: list[torch.Tensor] = []
+        with self._lock:
+            for position in range(want, self._usable):
+                span = self._span(position)
+                for slot, key in [(s, self._key_of[s]) for s in span if self._key_of[s] is not None]:
+                    del self._index[key]
+                    self._key_of[slot] = None
+                    self.resize_evictions += 1
+                self._retiring[position] = len(span) - self._refs[span.start : span.stop].count(0)
+                if self._retiring[position] == 0:
+                    freed.append(self._free_segment(position))
+            self._usable = want
+            self.num_slots = self._span(want - 1).stop
+            self._free = [s for s in self._free if s < self.num_slots]
+        if freed:
+            self._give_back(freed)
+
+    def _free_segment(self, position: int) -> torch.Tensor:
+        """Forget a retired segment and its views (under the lock); the caller drops the tensor."""
+        span = self._span(position)
+        segment = self._segments[position]
+        assert segment is not None
+        self._segments[position] = None
+        del self._retiring[position]
+        self._tensors[span.start : span.stop] = [None] * len(span)
+        self._bytes[span.start : span.stop] = [None] * len(span)
+        return segment
+
+    def _give_back(self, segments: list[torch.Tensor]) -> None:
+        """Drop the last references to freed segments (outside the lock), so their memory goes back."""
+        segments.clear()
+        if self.pinned and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # pinned blocks are cached by torch until emptied
+        if _MALLOC_TRIM is not None:
+            # glibc raises its mmap threshold (up to 32 MiB) after each munmap, so a segment allocated
+            # after an earlier one was freed may sit in its heap, whose free pages stay resident until
+            # trimmed: measured, 256 MiB shrunk to 16 MiB gave back 5 MiB without this, 249 MiB with it
+            _MALLOC_TRIM(0)
+
     def stats(self) -> dict[str, int | bool]:
         with self._lock:
             return {
                 "slots": self.num_slots,
-                "slot_bytes": self.layout.chunk_nbytes,
+                "slot_bytes": self.slot_bytes,
                 "chunks": len(self._index),
-                "referenced": sum(1 for r in self._refs if r > 0),
+                "referenced": self.max_slots - self._refs.count(0),
                 "evictions": self.evictions,
                 "pinned": self.pinned,
+                "capacity_bytes": self.capacity_bytes,
+                "max_bytes": self.max_bytes,
+                "segments": sum(1 for segment in self._segments if segment is not None),
+                "resize_evictions": self.resize_evictions,
             }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import sys
 import threading
@@ -498,3 +499,332 @@ def test_concurrent_bookkeeping_hammer_loses_no_slot_and_no_reference():
     slots = [pool.reserve() for _ in range(pool.num_slots)]
     assert sorted(slots) == list(range(pool.num_slots))
     assert pool.reserve() is None
+
+
+# -- segments and resizing -----------------------------------------------------------------------
+
+
+def make_resizable(slots: int, max_slots: int, **kwargs) -> SlabPool:
+    return SlabPool(LAYOUT, slots * SLOT, max_bytes=max_slots * SLOT, **kwargs)
+
+
+def reserve_all(pool: SlabPool) -> list[int]:
+    """Reserve until the pool says no; the slots it handed out."""
+    slots = []
+    while (slot := pool.reserve()) is not None:
+        slots.append(slot)
+    return slots
+
+
+def check_invariants(pool: SlabPool) -> None:
+    """The bookkeeping agrees with itself once nobody holds a slot."""
+    stats = pool.stats()
+    assert stats["referenced"] == 0
+    assert all(refs == 0 for refs in pool._refs)
+    published = set(pool._index.values())
+    assert not published & set(pool._free), "a slot is both free and published"
+    assert len(pool._free) == len(set(pool._free)), "a slot is free twice"
+    assert all(slot < pool.num_slots for slot in published | set(pool._free))
+    assert all(pool._key_of[slot] == key for key, slot in pool._index.items())
+    assert stats["chunks"] <= pool.num_slots
+    # nothing held: no segment is left retiring, and every usable slot is free or published
+    assert stats["segments"] == -(-pool.num_slots // pool.seg_slots)
+    assert len(published) + len(pool._free) == pool.num_slots
+
+
+def test_max_bytes_below_capacity_is_an_error():
+    with pytest.raises(ValueError, match="max_bytes must be at least capacity_bytes"):
+        SlabPool(LAYOUT, 4 * SLOT, max_bytes=3 * SLOT)
+
+
+def test_default_pool_is_one_segment_that_does_not_resize():
+    pool = make_pool(5)
+    assert pool.seg_slots == 5 and pool.max_slots == 5 and pool.max_bytes == 5 * SLOT
+    stats = pool.stats()
+    assert stats["segments"] == 1
+    assert stats["capacity_bytes"] == stats["max_bytes"] == 5 * SLOT
+    assert stats["resize_evictions"] == 0
+    for name in "abcde":
+        put(pool, name)
+    # one segment is the floor and the ceiling: any resize leaves the pool as it was
+    assert pool.resize(SLOT) == 5
+    assert pool.resize(100 * SLOT) == 5
+    assert all(pool.contains(key(name)) for name in "abcde")
+    assert pool.stats()["segments"] == 1
+    assert pool.stats()["resize_evictions"] == 0
+
+
+def test_capacity_rounds_up_to_whole_segments():
+    pool = make_resizable(5, 64)  # 16 segments of 4 slots
+    assert pool.seg_slots == 4
+    assert pool.num_slots == 8
+    assert pool.capacity_bytes == 8 * SLOT
+    assert pool.stats()["segments"] == 2
+    assert pool.resize(9 * SLOT) == 12
+    assert pool.resize(12 * SLOT) == 12  # the current size: nothing changes
+    assert pool.stats()["segments"] == 3
+
+
+def test_the_last_segment_may_be_shorter():
+    pool = make_resizable(1, 100)  # 6 slots a segment: 16 of them, then one of 4
+    assert pool.seg_slots == 6
+    assert pool.resize(1000 * SLOT) == 100
+    assert pool.stats()["segments"] == 17
+    assert sorted(reserve_all(pool)) == list(range(100))
+
+
+def test_resize_clamps_to_one_segment_and_to_max_bytes():
+    pool = make_resizable(16, 64)
+    assert pool.resize(0) == 4
+    assert pool.resize(-5) == 4
+    assert pool.resize(SLOT // 2) == 4
+    assert pool.stats()["segments"] == 1
+    assert pool.resize(1 << 40) == 64
+    assert pool.max_slots == 64
+    assert pool.stats()["segments"] == 16
+
+
+def test_grow_fits_more_chunks_without_evictions():
+    pool = make_resizable(4, 64)
+    slots = {name: put(pool, name, float(name)) for name in range(4)}
+    assert pool.resize(16 * SLOT) == 16
+    stats = pool.stats()
+    assert stats["slots"] == 16
+    assert stats["capacity_bytes"] == 16 * SLOT
+    assert stats["segments"] == 4
+    for name in range(4, 16):
+        put(pool, name, float(name))
+    assert pool.stats()["evictions"] == 0
+    assert pool.stats()["chunks"] == 16
+    for name in range(16):
+        slot = pool.acquire(key(name))
+        assert slot is not None
+        assert name >= 4 or slot == slots[name]  # the old chunks kept their slot ids
+        assert torch.all(pool.tensor(slot) == float(name))
+        pool.release(slot)
+    put(pool, 16)  # full now: LRU eviction as before
+    assert pool.stats()["evictions"] == 1
+
+
+def test_reserve_fills_the_pool_from_the_lowest_slots():
+    pool = make_resizable(16, 64)
+    assert [pool.reserve() for _ in range(16)] == list(range(16))
+
+
+def test_shrink_drops_the_chunks_of_retired_segments():
+    pool = make_resizable(16, 64)
+    slots = {name: put(pool, name, float(name)) for name in range(16)}
+    assert pool.resize(4 * SLOT) == 4
+    stats = pool.stats()
+    assert stats["slots"] == 4
+    assert stats["capacity_bytes"] == 4 * SLOT
+    assert stats["segments"] == 1
+    assert stats["chunks"] == 4
+    assert stats["resize_evictions"] == 12
+    assert stats["evictions"] == 0
+    for name, slot in slots.items():
+        if slot < 4:
+            got = pool.acquire(key(name))
+            assert got == slot and torch.all(pool.tensor(got) == float(name))
+            pool.release(got)
+        else:
+            assert not pool.contains(key(name))
+            assert pool.acquire(key(name)) is None
+            assert pool.discard(key(name)) is False
+    # reserve only hands out the remaining segment's slots, evicting there
+    reserved = reserve_all(pool)
+    assert sorted(reserved) == [0, 1, 2, 3]
+    assert pool.stats()["evictions"] == 4
+    with pytest.raises(IndexError):
+        pool.tensor(40)  # its segment is gone
+    for slot in reserved:
+        pool.release(slot)
+    check_invariants(pool)
+
+
+def test_shrink_keeps_a_held_slot_valid_until_its_release():
+    pool = make_resizable(16, 64)
+    for name in range(16):
+        put(pool, name, float(name))
+    held = pool.acquire(key(14))  # in the last segment
+    private = pool.reserve()  # evicts the oldest chunk, 0, and gets its slot
+    assert held == 14 and private == 0
+    pool.tensor(private).fill_(-1.0)
+
+    assert pool.resize(8 * SLOT) == 8
+    stats = pool.stats()
+    assert stats["segments"] == 3  # two usable, the held one retiring
+    assert stats["referenced"] == 2
+    assert stats["resize_evictions"] == 8  # chunks 8..15, the held 14 included: it is no longer findable
+    assert not pool.contains(key(14)) and pool.acquire(key(14)) is None
+    # the holder still reads its data, through new and old views alike
+    assert torch.all(pool.tensor(held) == 14.0)
+    assert bytes(pool.buffer(held)) == bytes(pool.tensor(held).view(torch.uint8).flatten().numpy())
+    pool.retain(held)
+    pool.release(held)
+
+    reserved = reserve_all(pool)
+    assert held not in reserved and all(slot < 8 for slot in reserved)
+    assert private not in reserved
+    pool.release(held)  # the last reference: the retired segment goes
+    assert pool.stats()["segments"] == 2
+    assert pool.stats()["referenced"] == len(reserved) + 1
+    with pytest.raises(IndexError):
+        pool.buffer(held)
+    for slot in [*reserved, private]:
+        pool.release(slot)
+    check_invariants(pool)
+    assert held not in reserve_all(pool)
+
+
+def test_a_slot_published_after_its_segment_retired_is_dropped_not_indexed():
+    pool = make_resizable(8, 64)
+    for name in range(7):
+        put(pool, name)
+    slot = pool.reserve()
+    assert slot == 7
+    pool.resize(4 * SLOT)
+    pool.tensor(slot).fill_(1.0)
+    assert pool.publish(slot, key("late")) is True  # taken, so the caller still cascades it
+    assert not pool.contains(key("late"))
+    assert pool.stats()["resize_evictions"] == 4
+    pool.release(slot)
+    assert pool.stats()["segments"] == 1
+    check_invariants(pool)
+
+
+def test_grow_after_shrink_reuses_a_retiring_segment_and_reallocates_freed_ones():
+    pool = make_resizable(16, 64)
+    for name in range(16):
+        put(pool, name, float(name))
+    held = pool.acquire(key(13))
+    pool.resize(4 * SLOT)
+    assert pool.stats()["segments"] == 2  # segment 3 waits for its holder
+    segment = pool._segments[3]
+    assert pool.resize(16 * SLOT) == 16
+    assert pool._segments[3] is segment  # un-retired, not reallocated
+    assert pool.stats()["segments"] == 4
+    assert torch.all(pool.tensor(held) == 13.0)  # still the holder's data
+
+    assert bytes(pool.buffer(5)) == bytes(SLOT)  # a reallocated segment comes back zeroed
+    reserved = reserve_all(pool)
+    assert held not in reserved
+    assert sorted(reserved + [held]) == list(range(16))
+    assert pool.stats()["evictions"] == 4  # the chunks kept in segment 0, once the free slots ran out
+    for name, slot in enumerate(reserved):
+        pool.tensor(slot).fill_(float(name))
+        assert pool.publish(slot, key(("new", name)))
+        pool.release(slot)
+    pool.release(held)
+    assert pool.stats()["chunks"] == 15
+    held_again = pool.reserve()  # the free slot comes first, nothing evicted
+    assert held_again == held and pool.stats()["evictions"] == 4
+    pool.release(held_again)
+    check_invariants(pool)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_shrinking_gives_the_memory_back():
+    layout = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, chunk_tokens=16)  # 128 KiB chunks
+    max_bytes = 256 << 20
+    pool = SlabPool(layout, max_bytes, pin_memory="never", max_bytes=max_bytes)
+    slots = reserve_all(pool)
+    last = slots.pop()
+    assert last == pool.max_slots - 1
+    pool.tensor(last).fill_(1.0)
+    for slot in slots:
+        pool.release(slot)
+
+    before = rss_bytes()
+    assert pool.resize(0) == pool.seg_slots
+    assert pool.stats()["segments"] == 2  # the last segment waits for its holder
+    pool.release(last)
+    assert pool.stats()["segments"] == 1
+    freed = max_bytes - pool.capacity_bytes
+    after = rss_bytes()
+    assert before - after >= freed // 2, f"RSS dropped by {(before - after) >> 20} MiB, {freed >> 20} MiB were freed"
+
+    assert pool.resize(max_bytes) == pool.max_slots  # and it comes back, pre-touched
+    assert rss_bytes() - after >= freed // 2
+    assert sorted(reserve_all(pool)) == list(range(pool.max_slots))
+
+
+def test_resizing_while_other_threads_use_the_pool_keeps_it_consistent():
+    pool = make_resizable(16, 64)  # 16 segments of 4 slots
+    names = list(range(40))
+    errors: list[BaseException] = []
+    counters = {"published": 0, "hits": 0, "resizes": 0}
+    counter_lock = threading.Lock()
+    stop = time.perf_counter() + 1.5
+
+    def resizer() -> None:
+        rng = random.Random(-1)
+        while time.perf_counter() < stop:
+            slots = pool.resize(rng.randrange(0, 70) * SLOT)
+            assert 4 <= slots <= 64 and slots % 4 == 0
+            with counter_lock:
+                counters["resizes"] += 1
+            time.sleep(0)
+
+    def worker(seed: int) -> None:
+        if seed == 0:
+            return resizer()
+        rng = random.Random(seed)
+        held: list[tuple[int, float]] = []
+        while time.perf_counter() < stop:
+            name = rng.choice(names)
+            action = rng.random()
+            if action < 0.4:
+                slot = pool.reserve()
+                if slot is None:
+                    continue
+                pool.tensor(slot).fill_(float(name))
+                published = pool.publish(slot, key(name))
+                if rng.random() < 0.3:
+                    held.append((slot, float(name)))  # keep the reservation's reference a while
+                else:
+                    pool.release(slot)
+                with counter_lock:
+                    counters["published"] += published
+            elif action < 0.9:
+                slot = pool.acquire(key(name))
+                if slot is None:
+                    continue
+                assert torch.all(pool.tensor(slot) == float(name)), f"slot {slot} does not hold {name}"
+                held.append((slot, float(name)))
+                with counter_lock:
+                    counters["hits"] += 1
+            else:
+                pool.discard(key(name))
+            while len(held) > 2 or (held and rng.random() < 0.3):
+                slot, value = held.pop(0)
+                # a held slot keeps its data, whatever the resizer did meanwhile
+                assert torch.all(pool.tensor(slot) == value), f"held slot {slot} lost {value}"
+                assert bytes(pool.buffer(slot)[:2]) == bytes(pool.tensor(slot).view(torch.uint8).flatten()[:2])
+                pool.release(slot)
+        for slot, _ in held:
+            pool.release(slot)
+
+    def guarded(seed: int) -> None:
+        try:
+            worker(seed)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    run_racing_threads(guarded, 6)
+    assert not errors, repr(errors[0])
+    assert counters["resizes"] > 10 and counters["published"] > 0 and counters["hits"] > 0
+    assert pool.stats()["resize_evictions"] > 0
+    check_invariants(pool)
+    for size in (64, 4, 64):  # it still resizes, and every usable slot can be had exactly once
+        pool.resize(size * SLOT)
+        check_invariants(pool)
+        slots = reserve_all(pool)
+        assert sorted(slots) == list(range(pool.num_slots))
+        for slot in slots:
+            pool.release(slot)
