@@ -35,7 +35,7 @@ from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.dram")
 
-SEGMENTS = 16
+SEGMENTS = 64
 """How many segments a resizable pool's ``max_bytes`` is cut into: the step of a resize."""
 
 V = TypeVar("V")
@@ -58,7 +58,7 @@ def _should_pin(pin_memory: Literal["auto", "always", "never"]) -> bool:
 class SlabPool:
     """Slots of ``layout.chunk_nbytes`` each, in segments; a key maps to at most one published slot.
 
-    ``max_bytes`` is the most ``resize`` may grow to, cut into 16 segments; without it the pool is
+    ``max_bytes`` is the most ``resize`` may grow to, cut into SEGMENTS (64) segments; without it the pool is
     one segment of ``capacity_bytes`` and cannot resize.
     """
 

@@ -68,7 +68,7 @@ class KVStore:
         self._salt = salt
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         adaptive = config.adaptive
-        most = config.dram_bounds()[1] if adaptive.auto else int(config.dram.capacity)
+        most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
         self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most)
         self.policy: Policy = adaptive.policy
         self.adaptive = AdaptiveCounters(self.policy)

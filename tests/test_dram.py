@@ -8,10 +8,12 @@ import random
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
 
+from kvstore import dram
 from kvstore.dram import SlabPool
 from kvstore.layout import KVLayout
 
@@ -505,7 +507,9 @@ def test_concurrent_bookkeeping_hammer_loses_no_slot_and_no_reference():
 
 
 def make_resizable(slots: int, max_slots: int, **kwargs) -> SlabPool:
-    return SlabPool(LAYOUT, slots * SLOT, max_bytes=max_slots * SLOT, **kwargs)
+    """A resizable pool cut into 16 segments (not dram.SEGMENTS), so the arithmetic below stays small."""
+    with mock.patch.object(dram, "SEGMENTS", 16):
+        return SlabPool(LAYOUT, slots * SLOT, max_bytes=max_slots * SLOT, **kwargs)
 
 
 def reserve_all(pool: SlabPool) -> list[int]:
