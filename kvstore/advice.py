@@ -134,7 +134,11 @@ def advise(
     grid = _size_grid(low, high, chunk)
     net = [cost.net_saving(profile, size / chunk, best_policy) for size in grid]
     gain_full = net[-1] - net[0]
-    recommended = grid[0] if gain_full <= 1e-3 else next(s for s, n in zip(grid, net) if n - net[0] >= knee * gain_full)
+    recommended = (
+        grid[0]
+        if gain_full <= 1e-3
+        else next(s for s, n in zip(grid, net, strict=True) if n - net[0] >= knee * gain_full)
+    )
     shown = sorted({int(dram_bytes * f) // chunk * chunk for f in SIZE_FACTORS if dram_bytes * f >= chunk})
     shown = sorted(set(shown) | {recommended})
     rows = [
@@ -170,7 +174,9 @@ def advise(
     return advice
 
 
-def choose_policy(profile: ReuseProfile, cost: CostModel, dram_chunks: float, current: Policy, margin: float = 0.01) -> Policy:
+def choose_policy(
+    profile: ReuseProfile, cost: CostModel, dram_chunks: float, current: Policy, margin: float = 0.01
+) -> Policy:
     """The policy with the larger net saving; the current one unless the other wins by ``margin``."""
     if not cost.lower:
         return current  # nothing below DRAM: the policy changes nothing
@@ -216,7 +222,8 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel) -> list[str
     if recommended < size * 0.9:
         lines.append(
             f"DRAM: {_gib(recommended)} gets nearly all that {_gib(size)} does "
-            f"({at_recommended.dram_hit_rate:.0%} against {dram_rate:.0%} from DRAM); shrink it and give the memory back."
+            f"({at_recommended.dram_hit_rate:.0%} against {dram_rate:.0%} from DRAM); "
+            "shrink it and give the memory back."
         )
     elif recommended > size * 1.1:
         lines.append(

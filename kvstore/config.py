@@ -210,12 +210,16 @@ class AdaptiveConfig(_Section):
     policy: Literal["write-through", "second-sighting"] = Field(
         "write-through", description="write every chunk below DRAM, or only prefixes seen before"
     )
-    auto: bool = Field(False, description="resize DRAM within [dram_min, dram_max] and switch policy as traffic changes")
+    auto: bool = Field(
+        False, description="resize DRAM within [dram_min, dram_max] and switch policy as traffic changes"
+    )
     dram_min: Size | None = Field(None, description="smallest DRAM size auto mode may pick (default dram.capacity/8)")
     dram_max: Size | None = Field(None, description="largest DRAM size auto mode may pick (default dram.capacity)")
     interval: float = Field(30.0, ge=0, description="seconds between auto mode's decisions, at least")
     min_references: int = Field(20_000, ge=1, description="chunk lookups between auto mode's decisions, at least")
-    knee: float = Field(0.95, gt=0, le=1, description="pick the smallest DRAM size with this share of the largest's gain")
+    knee: float = Field(
+        0.95, gt=0, le=1, description="pick the smallest DRAM size with this share of the largest's gain"
+    )
     trace: Path | None = Field(None, description="append every chunk lookup to this trace file (for kvstore advise)")
 
 
