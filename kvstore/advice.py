@@ -170,7 +170,7 @@ def advise(
         disk_rows=disk_rows,
         verdict=[],
     )
-    advice.verdict = _verdict(advice, profile, cost)
+    advice.verdict = _verdict(advice, profile, cost, decided_at=high)
     return advice
 
 
@@ -191,7 +191,8 @@ def _size_grid(low: int, high: int, chunk: int, points: int = 48) -> list[int]:
     return sorted({max(chunk, int(size) // chunk * chunk) for size in sizes})
 
 
-def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel) -> list[str]:
+def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at: int) -> list[str]:
+    """Plain sentences; a policy change quotes both policies' savings at ``decided_at`` (bytes), where it was chosen."""
     lines: list[str] = []
     if profile.references < 1000:
         lines.append(f"only {profile.references:,.0f} chunk lookups seen: too few to judge; look again later.")
@@ -204,16 +205,20 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel) -> list[str
         f"{profile.cold_fraction:.0%} were first sightings, which no cache can serve."
     )
     if advice.recommended_policy != advice.policy:
-        better = advice.savings[advice.recommended_policy]
+        # The policy is chosen at the largest size considered; at the current size the two may be level.
+        now = cost.net_saving(profile, decided_at / chunk, advice.policy)
+        better = cost.net_saving(profile, decided_at / chunk, advice.recommended_policy)
+        where = "" if decided_at == advice.dram_bytes else f" with {_gib(decided_at)} DRAM"
         if advice.recommended_policy == "second-sighting":
             lines.append(
                 f"at {total:.0%} hits, storing every chunk below DRAM costs more than it returns "
-                f"(net saving {now:+.1%} of prefill); use selective writes (policy 'second-sighting': {better:+.1%})."
+                f"(net saving {now:+.1%} of prefill{where}); "
+                f"use selective writes (policy 'second-sighting': {better:+.1%})."
             )
         else:
             lines.append(
                 f"prefixes come back often enough that write-through pays: net saving {better:+.1%} of prefill "
-                f"against {now:+.1%} with selective writes."
+                f"against {now:+.1%} with selective writes{where}."
             )
     else:
         lines.append(f"policy '{advice.policy}' is the better one here: net saving {now:+.1%} of prefill.")

@@ -1,5 +1,6 @@
 """The ``kvstore`` command line: ``demo``, ``bench``, ``dev-servers``, ``version``, and the operator's
-tools ``ls``, ``stats``, ``gc`` and ``verify`` (in :mod:`kvstore.admin_cli`)."""
+tools ``ls``, ``stats``, ``gc`` and ``verify`` (in :mod:`kvstore.admin_cli`), and ``advise``
+(in :mod:`kvstore.advise_cli`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvstore import admin_cli
+from kvstore import admin_cli, advise_cli
 
 app = typer.Typer(
     help="kvstore: a tiered KV-cache store for LLM inference engines.",
@@ -22,6 +23,7 @@ app = typer.Typer(
 console = Console(width=120)
 for tool in (admin_cli.ls, admin_cli.stats, admin_cli.gc, admin_cli.verify):
     app.command()(tool)
+app.command("advise")(advise_cli.advise_command)
 
 
 @app.callback()

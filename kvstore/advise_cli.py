@@ -1,0 +1,298 @@
+"""``kvstore advise TRACE``: replay a recorded chunk-lookup trace and say what DRAM size and write policy pay.
+
+The trace (``[adaptive] trace = ...`` records one) is fed in order to the same SHARDS sampler the store
+runs online, so the offline answer is the one auto mode would reach; ``--exact`` tracks every chunk
+instead, for a curve without sampling error on traces small enough to afford it. Costs are in seconds
+per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
+baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.advice`).
+
+Exit codes as in :mod:`kvstore.admin_cli`: 0 done; 2 bad usage, configuration or trace file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from kvstore.admin_cli import EXIT_USAGE, ConfigOption, console, errors, human_bytes, load_config, parse_size
+from kvstore.advice import POLICIES, UNBOUNDED, Advice, CostModel, Policy, TierCost, advise
+from kvstore.mrc import ReuseProfile, ShardsSampler
+from kvstore.traces import (
+    Trace,
+    TraceFormatError,
+    all_unique,
+    flatten,
+    multi_turn,
+    phase_change,
+    rag,
+    read_trace,
+    write_trace,
+    zipf_prefixes,
+)
+
+GB = 1e9
+# Measured on this machine kind (``kvstore bench``): DRAM copy, disk read and disk write, GB/s.
+DRAM_GBPS, DISK_READ_GBPS, DISK_WRITE_GBPS, REMOTE_GBPS = 15.0, 2.0, 1.0, 1.0
+SYNTHETIC = ("zipf", "multi-turn", "rag", "unique", "phase")
+# SmolLM2-135M: 30 layers x K,V x 3 heads x 64 dims x 2 bytes x 256 tokens, bf16 (1,966,080 bytes).
+SYNTHETIC_META = {"chunk_tokens": 256, "chunk_bytes": 1_966_080, "writer": "kvstore advise --synthetic"}
+CURVE_POINTS = 64
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``message`` on stderr; the caller raises the returned exit (usage error, code 2)."""
+    errors.print(f"[red]{message}[/red]", highlight=False)
+    return typer.Exit(EXIT_USAGE)
+
+
+def synthetic_trace(name: str, requests: int) -> Trace:
+    """A workload from :mod:`kvstore.traces`, as if read from a file: for demos and the README."""
+    if name not in SYNTHETIC:
+        raise fail(f"unknown synthetic workload {name!r}; choose from {', '.join(SYNTHETIC)} (--synthetic)")
+    if name == "zipf":
+        chains = zipf_prefixes(requests)
+    elif name == "multi-turn":
+        chains = multi_turn(sessions=max(1, requests // 5))
+    elif name == "rag":
+        chains = rag(requests)
+    elif name == "unique":
+        chains = all_unique(requests)
+    else:
+        chains = phase_change(zipf_prefixes(requests // 2, seed=1), rag(requests - requests // 2, seed=2))
+    ids = flatten(chains)
+    numbers = np.repeat(np.arange(len(chains)), [len(chain) for chain in chains])
+    meta = {**SYNTHETIC_META, "namespace": f"synthetic:{name}"}
+    return Trace(meta, numbers.astype(np.float64), numbers.astype(np.uint32), ids, path=f"synthetic:{name}")
+
+
+def load_trace(path: Path) -> Trace:
+    """Read a trace file; a missing, unreadable or foreign file ends the command with exit 2."""
+    try:
+        return read_trace(path)
+    except TraceFormatError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{path}: {exc.strerror or exc}") from None
+
+
+def measure(ids: np.ndarray, exact: bool) -> ReuseProfile:
+    """The reuse profile of ``ids`` in order: sampled like the store does online, or exact."""
+    if exact:
+        sampler = ShardsSampler(max_keys=max(16, len(np.unique(ids)) + 1), max_rate=1.0, horizon=float(1 << 62))
+    else:
+        sampler = ShardsSampler()
+    for start in range(0, len(ids), 1 << 16):
+        sampler.record(ids[start : start + (1 << 16)])
+    return sampler.profile()
+
+
+def meta_number(trace: Trace, key: str, given: int | None, option: str) -> int:
+    """An option, else the trace's metadata field; neither ends the command naming the option."""
+    if given is not None:
+        return given
+    value = trace.meta.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    raise fail(f"{trace.path}: the trace's metadata has no {key}; pass {option}")
+
+
+def curve(profile: ReuseProfile, cost: CostModel, result: Advice, disk_bytes: int) -> list[dict[str, float]]:
+    """Hit rates on a log grid of DRAM sizes spanning the table's rows and the disk size."""
+    chunk = cost.chunk_bytes
+    low = max(chunk, min(row.dram_bytes for row in result.rows) // 2)
+    high = max(max(row.dram_bytes for row in result.rows), disk_bytes) * 2
+    sizes = sorted({max(chunk, int(size) // chunk * chunk) for size in np.geomspace(low, high, CURVE_POINTS)})
+    policy = result.recommended_policy
+    return [
+        {
+            "dram_bytes": size,
+            "dram_hit_rate": profile.hit_rate(size / chunk),
+            "hit_rate": cost.hit_rate(profile, size / chunk, policy),
+        }
+        for size in sizes
+    ]
+
+
+def size_table(result: Advice, chunk: int) -> Table:
+    current = result.dram_bytes // chunk * chunk
+    table = Table(title=f"DRAM size (net saving under policy '{result.recommended_policy}')")
+    for column in ("DRAM", "DRAM hit rate", "hit rate (all tiers)", "net saving (of prefill)", ""):
+        table.add_column(column, justify="left" if not column else "right")
+    for row in result.rows:
+        marks = [m for m, on in (("current", row.dram_bytes == current), ("recommended", _is_rec(row, result))) if on]
+        table.add_row(
+            human_bytes(row.dram_bytes),
+            f"{row.dram_hit_rate:.1%}",
+            f"{row.hit_rate:.1%}",
+            f"{row.net_saving:+.1%}",
+            " + ".join(marks),
+            style="bold green" if _is_rec(row, result) else None,
+        )
+    return table
+
+
+def _is_rec(row: Any, result: Advice) -> bool:
+    return bool(row.dram_bytes == result.recommended_dram_bytes)
+
+
+def disk_table(result: Advice, disk_bytes: int) -> Table:
+    table = Table(title=f"disk size (hit rate of DRAM + disk, with {human_bytes(result.dram_bytes)} DRAM)")
+    for column in ("disk", "hit rate", ""):
+        table.add_column(column, justify="right")
+    for size, rate in result.disk_rows:
+        table.add_row(human_bytes(size), f"{rate:.1%}", "current" if size == disk_bytes else "")
+    return table
+
+
+def plot_curve(path: Path, points: list[dict[str, float]], result: Advice, disk_bytes: int, title: str) -> None:
+    """The miss-ratio curve as a PNG; matplotlib (the ``plot`` extra) is imported only here."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator, PercentFormatter
+
+    sizes = [p["dram_bytes"] for p in points]
+    figure = Figure(figsize=(8, 5), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    label = "all tiers" if disk_bytes or result.disk_rows else "total"
+    axes.plot(sizes, [100 * p["hit_rate"] for p in points], label=f"{label} ({result.recommended_policy})")
+    axes.plot(sizes, [100 * p["dram_hit_rate"] for p in points], label="DRAM only", linestyle="--")
+    lines = [(result.dram_bytes, "current", "grey", ":"), (result.recommended_dram_bytes, "recommended", "green", "-")]
+    if disk_bytes:
+        lines.append((disk_bytes, "disk", "tab:purple", "-."))
+    for x, name, colour, style in lines:
+        axes.axvline(x, color=colour, linestyle=style, linewidth=1, label=f"{name}: {human_bytes(x)}")
+    axes.set_xscale("log")
+    axes.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _tick(x)))
+    axes.yaxis.set_major_formatter(PercentFormatter())
+    axes.set_ylim(0, 100)
+    axes.set_xlabel("DRAM size (bytes, binary units)")
+    axes.set_ylabel("hit rate (of chunk lookups)")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+
+
+def _tick(size: float) -> str:
+    """A short axis label: '64M', '1G', '1.5G' (the axis is in bytes, powers of two)."""
+    for unit in ("", "K", "M", "G", "T"):
+        if size < 1024 or unit == "T":
+            return f"{size:.0f}{unit}" if size == int(size) else f"{size:.1f}{unit}"
+        size /= 1024
+    raise AssertionError
+
+
+def advise_command(
+    trace: Annotated[Path | None, typer.Argument(help="trace file ([adaptive] trace = ... records one)")] = None,
+    dram: Annotated[str | None, typer.Option(help="DRAM size now (default: the config's dram.capacity)")] = None,
+    disk: Annotated[
+        str | None, typer.Option(help="disk tier size; 0: none (default: the config's, if enabled)")
+    ] = None,
+    remote: Annotated[bool, typer.Option("--remote", help="a Redis/S3 tier below disk (unbounded)")] = False,
+    chunk_bytes: Annotated[str | None, typer.Option(help="bytes per chunk (default: the trace's)")] = None,
+    chunk_tokens: Annotated[int | None, typer.Option(min=1, help="tokens per chunk (default: the trace's)")] = None,
+    prefill_rate: Annotated[
+        float | None, typer.Option(min=1e-9, help="engine prefill, tokens/s (default: the config's)")
+    ] = None,
+    policy: Annotated[str | None, typer.Option(help="write policy now: write-through or second-sighting")] = None,
+    dram_gbps: Annotated[float, typer.Option(min=1e-9, help="DRAM copy bandwidth, GB/s")] = DRAM_GBPS,
+    disk_read_gbps: Annotated[float, typer.Option(min=1e-9, help="disk read bandwidth, GB/s")] = DISK_READ_GBPS,
+    disk_write_gbps: Annotated[float, typer.Option(min=1e-9, help="disk write bandwidth, GB/s")] = DISK_WRITE_GBPS,
+    remote_gbps: Annotated[float, typer.Option(min=1e-9, help="remote tier bandwidth, GB/s")] = REMOTE_GBPS,
+    exact: Annotated[bool, typer.Option("--exact", help="track every chunk: no sampling error, more time")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the advice and the curve as JSON")] = False,
+    plot: Annotated[Path | None, typer.Option(help="write the hit-rate curve to this PNG")] = None,
+    synthetic: Annotated[str | None, typer.Option(help=f"a generated workload: {', '.join(SYNTHETIC)}")] = None,
+    requests: Annotated[int, typer.Option(min=1, help="requests in a --synthetic workload", hidden=True)] = 20_000,
+    write_trace_to: Annotated[
+        Path | None, typer.Option("--write-trace", help="with --synthetic: write the trace here and stop")
+    ] = None,
+    config: ConfigOption = None,
+) -> None:
+    """What DRAM size and write policy pay for the traffic in a trace: hit rate and net saving per size."""
+    if (trace is None) == (synthetic is None):
+        raise fail("give a TRACE file or --synthetic NAME (one of them)")
+    if write_trace_to is not None and synthetic is None:
+        raise fail("--write-trace writes a --synthetic workload; pass --synthetic NAME")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise fail("--plot needs matplotlib: pip install 'kvstore[plot]'")
+    data = synthetic_trace(synthetic, requests) if synthetic is not None else load_trace(trace)  # type: ignore[arg-type]
+    if write_trace_to is not None:
+        write_trace(write_trace_to, data.requests_as_chains(), data.meta)
+        console.print(f"wrote {len(data):,} chunk lookups ({synthetic}) to {write_trace_to}", highlight=False)
+        return
+    if not len(data):
+        raise fail(f"{data.path}: no lookups recorded")
+    settings = load_config(config)
+    chunk = meta_number(data, "chunk_bytes", None if chunk_bytes is None else parse_size(chunk_bytes), "--chunk-bytes")
+    tokens = meta_number(data, "chunk_tokens", chunk_tokens, "--chunk-tokens")
+    current: Policy = settings.adaptive.policy if policy is None else _policy(policy)
+    dram_bytes = int(settings.dram.capacity) if dram is None else parse_size(dram)
+    if disk is not None:
+        disk_bytes = parse_size(disk)
+    else:
+        disk_bytes = int(settings.disk.capacity) if settings.disk.enabled else 0
+    if dram_bytes < chunk:
+        raise fail(f"--dram {human_bytes(dram_bytes)} holds no chunk of {human_bytes(chunk)}")
+    rate = settings.adaptive.prefill_tokens_per_s if prefill_rate is None else prefill_rate
+    lower = []
+    if disk_bytes:
+        lower.append(
+            TierCost("disk", disk_bytes / chunk, chunk / (disk_read_gbps * GB), chunk / (disk_write_gbps * GB))
+        )
+    if remote:
+        lower.append(TierCost("remote", UNBOUNDED, chunk / (remote_gbps * GB), chunk / (remote_gbps * GB)))
+    cost = CostModel(chunk_bytes=chunk, recompute_s=tokens / rate, dram_copy_s=chunk / (dram_gbps * GB), lower=lower)
+
+    profile = measure(data.ids, exact)
+    result = advise(profile, cost, dram_bytes, current, knee=settings.adaptive.knee)
+    points = curve(profile, cost, result, disk_bytes)
+    name = Path(data.path).name if synthetic is None else data.path
+    if plot is not None:
+        title = f"{name}: {len(data):,} chunk lookups" + ("" if exact else f" (sampled at {profile.sample_rate:.2%})")
+        try:
+            plot_curve(plot, points, result, disk_bytes, title)
+        except OSError as exc:
+            raise fail(f"{plot}: {exc.strerror or exc}") from None
+    if as_json:
+        document = {**result.as_dict(), "trace": name, "lookups": len(data), "cost": asdict(cost), "curve": points}
+        typer.echo(json.dumps(document, indent=1))
+        return
+    tiers = " -> ".join(
+        ["DRAM"] + [f"{t.name} ({human_bytes(disk_bytes)})" if t.name == "disk" else t.name for t in lower]
+    )
+    console.print(
+        f"{name}: {len(data):,} chunk lookups of {human_bytes(chunk)} ({tokens} tokens); tiers {tiers}; "
+        f"prefill {rate:,.0f} tokens/s; sampled at {profile.sample_rate:.2%}",
+        highlight=False,
+    )
+    console.print(size_table(result, chunk))
+    if result.disk_rows:
+        console.print(disk_table(result, disk_bytes))
+    for sentence in result.verdict:
+        console.print(f"- {sentence}", highlight=False)
+    console.print(
+        f"[bold]recommendation: DRAM {human_bytes(result.recommended_dram_bytes)}, policy "
+        f"'{result.recommended_policy}'[/bold] (now {human_bytes(dram_bytes)}, '{current}')",
+        highlight=False,
+    )
+    if plot is not None:
+        console.print(f"curve written to {plot}", highlight=False)
+
+
+def _policy(text: str) -> Policy:
+    for policy in POLICIES:
+        if text == policy:
+            return policy
+    raise fail(f"--policy {text!r}: choose {' or '.join(POLICIES)}")
