@@ -1,30 +1,35 @@
 """Online tracking of chunk lookups, and the auto mode that sizes the DRAM tier and picks the write policy.
 
-The lookup path only appends the keys to a list (~0.1 us); they are processed in batches of a few
-thousand: hashed, fed to the SHARDS sampler (:mod:`kvstore.mrc`), counted as sightings (for the
-second-sighting write policy) and, when asked, appended to a trace file that ``kvstore advise``
-reads. Everything here runs on the store's event loop; nothing is shared with other threads.
+The lookup path only appends the keys to a list (~0.2 us). They are processed in batches of a few
+thousand, right after the lookup that filled a batch returns: hashed, fed to the reuse-time
+sampler (:mod:`kvstore.mrc`, which also counts sightings for the second-sighting write policy)
+and, when asked, appended to a trace file that ``kvstore advise`` reads. Everything here runs on
+the store's event loop; nothing is shared with other threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
-from kvstore.advice import Policy
-from kvstore.keys import ChunkKey
-from kvstore.mrc import ReuseProfile, ShardsSampler
+from kvstore.advice import UNBOUNDED, CostModel, Policy, TierCost
+from kvstore.config import ConfigError
+from kvstore.keys import ChunkKey, namespace_dir
+from kvstore.mrc import ReuseProfile, ReuseSampler
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys
-SIGHTING_SLOTS = 1 << 21  # hashed sighting counters (uint16): 4 MiB; a collision only admits a write early
-SIGHTING_CAP = 1000
 
 
 class AccessTracker:
@@ -33,22 +38,19 @@ class AccessTracker:
     def __init__(
         self,
         *,
-        max_keys: int,
-        max_rate: float,
+        sample_rate: float,
+        max_watches: int,
         half_life: float,
-        count_sightings: bool,
         trace_path: Path | None = None,
         trace_meta: dict[str, Any] | None = None,
     ) -> None:
-        self.sampler = ShardsSampler(max_keys=max_keys, max_rate=max_rate, half_life=half_life)
-        self._half_life = half_life
+        self.sampler = ReuseSampler(sample_rate, max_watches, half_life, seed=0)  # seeded: same traffic, same advice
         self._pending: list[Sequence[ChunkKey]] = []
         self._pending_times: list[float] = []
         self._pending_count = 0
+        self._drain_scheduled = False
         self.references = 0  # lookups' keys processed so far
         self.requests = 0
-        self._sightings = np.zeros(SIGHTING_SLOTS, dtype=np.uint16) if count_sightings else None
-        self._since_halving = 0
         self._started = time.monotonic()
         self.trace = None
         if trace_path is not None:
@@ -61,8 +63,10 @@ class AccessTracker:
         self._pending.append(keys)
         self._pending_times.append(time.monotonic())
         self._pending_count += len(keys)
-        if self._pending_count >= DRAIN_REFERENCES:
-            self.drain()
+        if self._pending_count >= DRAIN_REFERENCES and not self._drain_scheduled:
+            # Right after the lookup returns, not inside it: the engine does not wait for the batch.
+            asyncio.get_running_loop().call_soon(self.drain)
+            self._drain_scheduled = True
 
     @property
     def pending(self) -> int:
@@ -71,6 +75,7 @@ class AccessTracker:
 
     def drain(self) -> None:
         """Process the pending lookups (cheap when there are none)."""
+        self._drain_scheduled = False
         if not self._pending:
             return
         batches, times = self._pending, self._pending_times
@@ -80,22 +85,10 @@ class AccessTracker:
         # sample on (per process: traces store stable ids instead).
         hashed = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
         self.sampler.record(hashed)
-        if self._sightings is not None:
-            self._count_sightings(hashed)
         if self.trace is not None:
             self._write_trace(batches, times, keys)
         self.references += len(keys)
         self.requests += len(batches)
-
-    def _count_sightings(self, hashed: np.ndarray) -> None:
-        assert self._sightings is not None
-        slots = (hashed & np.uint64(SIGHTING_SLOTS - 1)).astype(np.intp)
-        np.add.at(self._sightings, slots, 1)
-        np.minimum(self._sightings[slots], SIGHTING_CAP, out=self._sightings[slots])
-        self._since_halving += len(hashed)
-        if self._since_halving >= self._half_life:  # old sightings fade like the profile's weights
-            self._sightings >>= 1
-            self._since_halving = 0
 
     def _write_trace(self, batches: list[Sequence[ChunkKey]], times: list[float], keys: list[ChunkKey]) -> None:
         from kvstore.traces import key_ids
@@ -111,10 +104,8 @@ class AccessTracker:
 
     def seen_before(self, key: ChunkKey) -> bool:
         """Whether ``key`` was looked up before the lookup that led to this put (two sightings or more)."""
-        if self._sightings is None:
-            return True
         self.drain()
-        return bool(self._sightings[hash(key) & (SIGHTING_SLOTS - 1)] >= 2)
+        return self.sampler.sightings(hash(key)) >= 2
 
     def profile(self) -> ReuseProfile:
         self.drain()
@@ -164,3 +155,126 @@ class AdaptiveCounters:
 
     def as_dict(self) -> dict[str, int | str]:
         return dict(vars(self))
+
+
+def make_tracker(store: KVStore) -> AccessTracker | None:
+    """The store's tracker, if anything needs one (advice, auto mode, a policy, a trace)."""
+    adaptive = store.config.adaptive
+    wanted = adaptive.track or adaptive.auto or adaptive.policy != "write-through" or adaptive.trace is not None
+    if not wanted:
+        return None
+    layout = store.layout
+    meta = {
+        "chunk_tokens": layout.chunk_tokens,
+        "chunk_bytes": layout.chunk_nbytes,
+        "layout": layout.describe(),
+        "namespace": namespace_dir(store.namespace),
+        "dram_bytes": store.pool.capacity_bytes,
+        "started": time.time(),
+    }
+    try:
+        return AccessTracker(
+            sample_rate=adaptive.sample_rate,
+            max_watches=adaptive.max_watches,
+            half_life=adaptive.half_life,
+            trace_path=adaptive.trace,
+            trace_meta=meta,
+        )
+    except OSError as exc:
+        raise ConfigError(f"adaptive.trace: cannot create {adaptive.trace} ({exc}); fix the path") from None
+
+
+def cost_model(store: KVStore) -> CostModel:
+    """Seconds per chunk to recompute, copy in DRAM and use each tier: the store's own timings where it has them."""
+    chunk = store.layout.chunk_nbytes
+    lower = []
+    for tier in store.tiers:
+        stats, latency = tier.stats, tier.latency
+        default_read, default_write = (2e9, 1e9) if tier.is_local else (1e9, 1e9)  # DESIGN.md's baselines
+        read_s = latency.read.sum / stats.hits if stats.hits >= 8 else chunk / default_read
+        writes = stats.writes + stats.skipped
+        write_s = latency.write.sum / writes if writes >= 8 else chunk / default_write
+        capacity = getattr(tier.backend, "capacity_bytes", None)
+        stored = stats.bytes_written / stats.writes if stats.writes else chunk
+        chunks = capacity / max(1.0, stored) if capacity else UNBOUNDED
+        lower.append(TierCost(tier.name, chunks, read_s, write_s))
+    return CostModel(
+        chunk_bytes=chunk,
+        recompute_s=store.layout.chunk_tokens / store.config.adaptive.prefill_tokens_per_s,
+        dram_copy_s=chunk / copy_bandwidth(),
+        lower=lower,
+    )
+
+
+_copy_rate: float | None = None
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a copy into pre-allocated memory, measured once per process (~10 ms)."""
+    global _copy_rate
+    if _copy_rate is None:
+        source, target = torch.ones(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
+        target.copy_(source)  # first touch
+        start = time.perf_counter()
+        for _ in range(4):
+            target.copy_(source)
+        _copy_rate = 4 * source.numel() / max(1e-6, time.perf_counter() - start)
+    return _copy_rate
+
+
+class AutoMode:
+    """Auto mode for one store: now and then, decides the DRAM size and the write policy; logs and counts changes."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self._task: asyncio.Task[None] | None = None
+        self._last = (0, time.monotonic())  # (lookups seen, time) at the last decision
+
+    def maybe_decide(self) -> None:
+        """Start a decision when enough lookups and time have passed since the last one."""
+        tracker, adaptive = self.store._tracker, self.store.config.adaptive
+        assert tracker is not None
+        if self._task is not None and not self._task.done():
+            return
+        seen, (references, at) = tracker.references + tracker.pending, self._last
+        if seen - references < adaptive.min_references or time.monotonic() - at < adaptive.interval:
+            return
+        self._last = (seen, time.monotonic())
+        self._task = asyncio.create_task(self.decide(), name="kvstore-auto")
+
+    async def decide(self) -> None:
+        """One decision: the write policy, then DRAM resized within the bounds (in a thread: it allocates)."""
+        store, counters = self.store, self.store.adaptive
+        try:
+            advice = store.advise(bounds=store.config.dram_bounds())
+            counters.decisions += 1
+            policy = advice.recommended_policy
+            if policy != store.policy:
+                log.info(
+                    "auto: write policy %s -> %s (net saving %+.1f%% -> %+.1f%% of prefill)",
+                    store.policy,
+                    policy,
+                    100 * advice.savings[store.policy],
+                    100 * advice.savings[policy],
+                )
+                store.policy = counters.policy = policy
+                counters.policy_switches += 1
+            before, target = store.pool.capacity_bytes, advice.recommended_dram_bytes
+            if target == before:
+                return
+            await asyncio.get_running_loop().run_in_executor(store._executor, store.pool.resize, target)
+            after = store.pool.capacity_bytes
+            if after == before:
+                return
+            counters.resizes += 1
+            counters.grown += after > before
+            counters.shrunk += after < before
+            expected = next(row.dram_hit_rate for row in advice.rows if row.dram_bytes == target)
+            log.info(
+                "auto: DRAM %.1f MiB -> %.1f MiB (DRAM hit rate %.0f%% expected)",
+                before / 2**20,
+                after / 2**20,
+                100 * expected,
+            )
+        except Exception:
+            log.exception("auto: a sizing decision failed; the store keeps its current size and policy")

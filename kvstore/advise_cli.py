@@ -1,7 +1,7 @@
 """``kvstore advise TRACE``: replay a recorded chunk-lookup trace and say what DRAM size and write policy pay.
 
 The trace (``[adaptive] trace = ...`` records one) is fed in order to the same SHARDS sampler the store
-runs online, so the offline answer is the one auto mode would reach; ``--exact`` tracks every chunk
+runs online, so the offline answer is the one auto mode would reach; ``--exact`` times every reuse
 instead, for a curve without sampling error on traces small enough to afford it. Costs are in seconds
 per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
 baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.advice`).
@@ -23,7 +23,7 @@ from rich.table import Table
 
 from kvstore.admin_cli import EXIT_USAGE, ConfigOption, console, errors, human_bytes, load_config, parse_size
 from kvstore.advice import POLICIES, UNBOUNDED, Advice, CostModel, Policy, TierCost, advise
-from kvstore.mrc import ReuseProfile, ShardsSampler
+from kvstore.mrc import ReuseProfile, ReuseSampler
 from kvstore.traces import (
     Trace,
     TraceFormatError,
@@ -83,11 +83,11 @@ def load_trace(path: Path) -> Trace:
 
 
 def measure(ids: np.ndarray, exact: bool) -> ReuseProfile:
-    """The reuse profile of ``ids`` in order: sampled like the store does online, or exact."""
+    """The reuse profile of ``ids`` in order: sampled like the store does online, or every reuse timed."""
     if exact:
-        sampler = ShardsSampler(max_keys=max(16, len(np.unique(ids)) + 1), max_rate=1.0, horizon=float(1 << 62))
+        sampler = ReuseSampler(rate=1.0, max_watches=max(16, len(ids)), seed=0)
     else:
-        sampler = ShardsSampler()
+        sampler = ReuseSampler(seed=0)  # the store's default rate; seeded, so a trace always gives the same advice
     for start in range(0, len(ids), 1 << 16):
         sampler.record(ids[start : start + (1 << 16)])
     return sampler.profile()
@@ -210,7 +210,9 @@ def advise_command(
     disk_read_gbps: Annotated[float, typer.Option(min=1e-9, help="disk read bandwidth, GB/s")] = DISK_READ_GBPS,
     disk_write_gbps: Annotated[float, typer.Option(min=1e-9, help="disk write bandwidth, GB/s")] = DISK_WRITE_GBPS,
     remote_gbps: Annotated[float, typer.Option(min=1e-9, help="remote tier bandwidth, GB/s")] = REMOTE_GBPS,
-    exact: Annotated[bool, typer.Option("--exact", help="track every chunk: no sampling error, more time")] = False,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="time every reuse, not a sample: no sampling error, more time")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the advice and the curve as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write the hit-rate curve to this PNG")] = None,
     synthetic: Annotated[str | None, typer.Option(help=f"a generated workload: {', '.join(SYNTHETIC)}")] = None,

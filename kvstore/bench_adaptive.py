@@ -133,7 +133,7 @@ async def compare(requests: int, dram_chunks: int, disk_chunks: int) -> dict[str
 
 
 async def lookup_overhead(lookups: int = 20_000, chain: int = 16) -> dict[str, float]:
-    """Seconds per ``lookup`` of a ``chain``-chunk prefix, all in DRAM (the cheapest lookup there is), tracking off and on."""
+    """Seconds per ``lookup`` of a ``chain``-chunk prefix all in DRAM (the cheapest lookup), tracking off and on."""
     timings: dict[str, float] = {}
     chains = traces.zipf_prefixes(lookups, prefixes=64, prefix_chunks=chain, suffix_chunks=0, seed=7)
     for label, track in (("untracked", False), ("tracked", True)):

@@ -199,8 +199,8 @@ class AdaptiveConfig(_Section):
     """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.adaptive)."""
 
     track: bool = Field(True, description="measure the hit rate against tier size online (costs ~0.1 us a key)")
-    sample_keys: int = Field(8192, ge=64, le=1 << 22, description="chunks the hit-rate sampler tracks at most")
-    max_sample_rate: float = Field(1 / 32, gt=0, le=1, description="largest fraction of chunks the sampler tracks")
+    sample_rate: float = Field(1 / 64, gt=0, le=1, description="fraction of chunk lookups whose reuse is timed")
+    max_watches: int = Field(1 << 16, ge=16, le=1 << 24, description="sampled lookups waiting for their reuse, at most")
     half_life: int = Field(
         1_000_000, ge=1000, description="chunk lookups after which old traffic counts half (adapts to phase changes)"
     )

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from kvstore import metrics
-from kvstore.adaptive import AccessTracker, AdaptiveCounters, HeldBack
-from kvstore.advice import UNBOUNDED, Advice, CostModel, Policy, TierCost, advise
+from kvstore.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, cost_model, make_tracker
+from kvstore.advice import Advice, Policy, advise
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
-from kvstore.config import ConfigError, RedisConfig, S3Config, StoreConfig, TimeoutConfig
+from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
 from kvstore.crypto import ChunkCipher
 from kvstore.dram import SlabPool
 from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
@@ -74,8 +74,7 @@ class KVStore:
         self.adaptive = AdaptiveCounters(self.policy)
         self._tracker: AccessTracker | None = None
         self._held_back = HeldBack(2 * self.pool.max_slots)
-        self._adapting: asyncio.Task[None] | None = None
-        self._decided_at = (0, time.monotonic())  # (references, time) of auto mode's last decision
+        self._auto = AutoMode(self) if adaptive.auto else None
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
         self._counters = {
             "puts": 0,
@@ -120,7 +119,7 @@ class KVStore:
             raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
         if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
             self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
-        self._tracker = self._make_tracker()  # before any I/O too: a trace path that fails stops the store here
+        self._tracker = make_tracker(self)  # before any I/O too: a trace path that fails stops the store here
         for tier in self.tiers:
             await tier.open()
         for tier in self.tiers:
@@ -265,8 +264,8 @@ class KVStore:
             key_to_bytes(key)
         if self._tracker is not None:
             self._tracker.note(keys)
-            if self.config.adaptive.auto:
-                self._maybe_adapt()
+            if self._auto is not None:
+                self._auto.maybe_decide()
         count = 0
         while count < len(keys):
             if self.pool.contains(keys[count]):
@@ -460,52 +459,6 @@ class KVStore:
 
     # -- adaptive sizing -----------------------------------------------------------------------
 
-    def _make_tracker(self) -> AccessTracker | None:
-        adaptive = self.config.adaptive
-        wanted = adaptive.track or adaptive.auto or adaptive.policy != "write-through" or adaptive.trace is not None
-        if not wanted:
-            return None
-        meta = {
-            "chunk_tokens": self.layout.chunk_tokens,
-            "chunk_bytes": self.layout.chunk_nbytes,
-            "layout": self.layout.describe(),
-            "namespace": namespace_dir(self.namespace),
-            "dram_bytes": self.pool.capacity_bytes,
-            "started": time.time(),
-        }
-        try:
-            return AccessTracker(
-                max_keys=adaptive.sample_keys,
-                max_rate=adaptive.max_sample_rate,
-                half_life=adaptive.half_life,
-                count_sightings=adaptive.auto or adaptive.policy != "write-through",
-                trace_path=adaptive.trace,
-                trace_meta=meta,
-            )
-        except OSError as exc:
-            raise ConfigError(f"adaptive.trace: cannot create {adaptive.trace} ({exc}); fix the path") from None
-
-    def cost_model(self) -> CostModel:
-        """Seconds per chunk to recompute, copy in DRAM and use each tier: this store's own timings where it has them."""
-        chunk = self.layout.chunk_nbytes
-        lower = []
-        for tier in self.tiers:
-            stats, latency = tier.stats, tier.latency
-            default_read, default_write = (2e9, 1e9) if tier.is_local else (1e9, 1e9)
-            read_s = latency.read.sum / stats.hits if stats.hits >= 8 else chunk / default_read
-            writes = stats.writes + stats.skipped
-            write_s = latency.write.sum / writes if writes >= 8 else chunk / default_write
-            capacity = getattr(tier.backend, "capacity_bytes", None)
-            stored = stats.bytes_written / stats.writes if stats.writes else chunk
-            chunks = capacity / max(1.0, stored) if capacity else UNBOUNDED
-            lower.append(TierCost(tier.name, chunks, read_s, write_s))
-        return CostModel(
-            chunk_bytes=chunk,
-            recompute_s=self.layout.chunk_tokens / self.config.adaptive.prefill_tokens_per_s,
-            dram_copy_s=chunk / _copy_bandwidth(),
-            lower=lower,
-        )
-
     def advise(self, bounds: tuple[int, int] | None = None) -> Advice:
         """Hit rate against DRAM size for the traffic seen so far, the size and write policy to use, and why.
 
@@ -516,62 +469,12 @@ class KVStore:
             raise RuntimeError("advise() needs the access tracker: set adaptive.track = true")
         return advise(
             self._tracker.profile(),
-            self.cost_model(),
+            cost_model(self),
             self.pool.capacity_bytes,
             self.policy,
             bounds=bounds,
             knee=self.config.adaptive.knee,
         )
-
-    def _maybe_adapt(self) -> None:
-        """Start a decision when enough lookups and time have passed since the last one (auto mode)."""
-        assert self._tracker is not None
-        references, at = self._decided_at
-        seen = self._tracker.references + self._tracker.pending
-        if self._adapting is not None and not self._adapting.done():
-            return
-        adaptive = self.config.adaptive
-        if seen - references < adaptive.min_references or time.monotonic() - at < adaptive.interval:
-            return
-        self._decided_at = (seen, time.monotonic())
-        self._adapting = asyncio.create_task(self._adapt(), name="kvstore-adapt")
-
-    async def _adapt(self) -> None:
-        """One auto-mode decision: resize DRAM within the bounds, switch the write policy; each change logged."""
-        try:
-            advice = self.advise(bounds=self.config.dram_bounds())
-            self.adaptive.decisions += 1
-            policy = advice.recommended_policy
-            if policy != self.policy:
-                log.info(
-                    "auto: write policy %s -> %s (net saving %+.1f%% -> %+.1f%% of prefill)",
-                    self.policy,
-                    policy,
-                    100 * advice.savings[self.policy],
-                    100 * advice.savings[policy],
-                )
-                self.policy = self.adaptive.policy = policy
-                self.adaptive.policy_switches += 1
-            before = self.pool.capacity_bytes
-            target = advice.recommended_dram_bytes
-            if target != before:
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self._executor, self.pool.resize, target)
-                after = self.pool.capacity_bytes
-                if after != before:
-                    self.adaptive.resizes += 1
-                    if after > before:
-                        self.adaptive.grown += 1
-                    else:
-                        self.adaptive.shrunk += 1
-                    log.info(
-                        "auto: DRAM %.1f MiB -> %.1f MiB (DRAM hit rate %.0f%% expected)",
-                        before / 2**20,
-                        after / 2**20,
-                        100 * next(r.dram_hit_rate for r in advice.rows if r.dram_bytes == target),
-                    )
-        except Exception:
-            log.exception("auto: a sizing decision failed; the store keeps its current size and policy")
 
     def prefetch(
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
@@ -599,13 +502,8 @@ class KVStore:
             for tier, queue in zip(self.tiers, self._queues, strict=False)
         }
         adaptive: dict[str, Any] = self.adaptive.as_dict()
-        if self._tracker is not None:
-            profile = self._tracker.profile()
-            adaptive |= {
-                "lookups_tracked": self._tracker.references,
-                "sample_rate": profile.sample_rate,
-                "dram_hit_rate_estimate": profile.hit_rate(self.pool.num_slots),
-            }
+        if self._tracker is not None:  # counts only: stats() may run on a scrape thread, the tracker is the loop's
+            adaptive |= {"lookups_tracked": self._tracker.references, "sample_rate": self._tracker.sampler.rate}
         return {"store": dict(self._counters), "dram": self.pool.stats(), "adaptive": adaptive, **tiers}
 
     def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:
@@ -614,22 +512,6 @@ class KVStore:
                 f"{what} must be a {self.layout.dtype} tensor of shape {self.layout.chunk_shape} "
                 f"([layers, planes, tokens, heads, head_dim]), got {tensor.dtype} {tuple(tensor.shape)}"
             )
-
-
-_copy_rate: float | None = None
-
-
-def _copy_bandwidth() -> float:
-    """Bytes per second of a copy into pre-allocated memory, measured once per process (~10 ms)."""
-    global _copy_rate
-    if _copy_rate is None:
-        source, target = torch.ones(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
-        target.copy_(source)  # first touch
-        start = time.perf_counter()
-        for _ in range(4):
-            target.copy_(source)
-        _copy_rate = 4 * source.numel() / max(1e-6, time.perf_counter() - start)
-    return _copy_rate
 
 
 def remote_backend(
