@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvstore.advice import UNBOUNDED, CostModel, Policy, TierCost
+from kvstore.advice import UNBOUNDED, CostModel, Policy, TierCost, advise
 from kvstore.config import ConfigError
 from kvstore.keys import ChunkKey, namespace_dir
 from kvstore.mrc import ReuseProfile, ReuseSampler
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys
+GROW_GAIN = 0.005  # auto mode grows DRAM only for at least this much more net saving (of prefill compute)
+SHRINK_BY = 0.8  # and shrinks it only to at most this share of its size
 
 
 class AccessTracker:
@@ -103,7 +105,13 @@ class AccessTracker:
         )
 
     def seen_before(self, key: ChunkKey) -> bool:
-        """Whether ``key`` was looked up before the lookup that led to this put (two sightings or more)."""
+        """Whether ``key`` was looked up before the lookup that led to this put (two sightings or more).
+
+        True while this store has seen no lookup at all: it cannot judge (e.g. a vLLM worker process,
+        whose lookups run in the scheduler's process), so it writes through.
+        """
+        if self.references + self._pending_count == 0:
+            return True
         self.drain()
         return self.sampler.sightings(hash(key)) >= 2
 
@@ -246,7 +254,16 @@ class AutoMode:
         """One decision: the write policy, then DRAM resized within the bounds (in a thread: it allocates)."""
         store, counters = self.store, self.store.adaptive
         try:
-            advice = store.advise(bounds=store.config.dram_bounds())
+            assert store._tracker is not None
+            profile, cost = store._tracker.profile(), cost_model(store)
+            advice = advise(
+                profile,
+                cost,
+                store.pool.capacity_bytes,
+                store.policy,
+                bounds=store.config.dram_bounds(),
+                knee=store.config.adaptive.knee,
+            )
             counters.decisions += 1
             policy = advice.recommended_policy
             if policy != store.policy:
@@ -260,7 +277,11 @@ class AutoMode:
                 store.policy = counters.policy = policy
                 counters.policy_switches += 1
             before, target = store.pool.capacity_bytes, advice.recommended_dram_bytes
-            if target == before:
+            chunk = store.layout.chunk_nbytes
+            gain = cost.net_saving(profile, target / chunk, policy) - cost.net_saving(profile, before / chunk, policy)
+            # Hysteresis, so sampling noise does not resize back and forth: grow for a real gain, shrink
+            # for real memory (the knee already bounds what a shrink gives up).
+            if target == before or (target > before and gain < GROW_GAIN) or (before > target > SHRINK_BY * before):
                 return
             await asyncio.get_running_loop().run_in_executor(store._executor, store.pool.resize, target)
             after = store.pool.capacity_bytes
@@ -271,7 +292,9 @@ class AutoMode:
             counters.shrunk += after < before
             expected = next(row.dram_hit_rate for row in advice.rows if row.dram_bytes == target)
             log.info(
-                "auto: DRAM %.1f MiB -> %.1f MiB (DRAM hit rate %.0f%% expected)",
+                "auto: DRAM %d -> %d chunks (%.1f -> %.1f MiB; DRAM hit rate %.0f%% expected)",
+                before // chunk,
+                after // chunk,
                 before / 2**20,
                 after / 2**20,
                 100 * expected,

@@ -210,9 +210,13 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at:
         better = cost.net_saving(profile, decided_at / chunk, advice.recommended_policy)
         where = "" if decided_at == advice.dram_bytes else f" with {_gib(decided_at)} DRAM"
         if advice.recommended_policy == "second-sighting":
+            judgement = (
+                "the cascade costs more than it returns"
+                if now < 0
+                else "writing every chunk below DRAM returns less than writing only the prefixes that come back"
+            )
             lines.append(
-                f"at {total:.0%} hits, storing every chunk below DRAM costs more than it returns "
-                f"(net saving {now:+.1%} of prefill{where}); "
+                f"at {total:.0%} hits, {judgement} (net saving {now:+.1%} of prefill{where}); "
                 f"use selective writes (policy 'second-sighting': {better:+.1%})."
             )
         else:
@@ -224,7 +228,7 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at:
         lines.append(f"policy '{advice.policy}' is the better one here: net saving {now:+.1%} of prefill.")
     size, recommended = advice.dram_bytes, advice.recommended_dram_bytes
     at_recommended = next(row for row in advice.rows if row.dram_bytes == recommended)
-    if recommended < size * 0.9:
+    if recommended < size * 0.8:  # as auto mode: a smaller step is not worth a resize
         lines.append(
             f"DRAM: {_gib(recommended)} gets nearly all that {_gib(size)} does "
             f"({at_recommended.dram_hit_rate:.0%} against {dram_rate:.0%} from DRAM)"

@@ -1,6 +1,6 @@
 """Replays synthetic traffic into real stores: fixed configurations against auto mode, and the tracker's cost.
 
-``python -m kvstore.bench_adaptive`` (or ``kvstore bench --adaptive``) prints, per workload:
+``python -m kvstore.bench_adaptive`` prints, per workload:
 the prefix hit rate, the DRAM hit rate and the bytes written below DRAM for each fixed DRAM
 size under write-through and second-sighting, then for auto mode; and the time the tracking
 adds to ``lookup`` against the same store with tracking off.
@@ -104,32 +104,29 @@ WORKLOADS = {
 }
 
 
-async def compare(requests: int, dram_chunks: int, disk_chunks: int) -> dict[str, list[ReplayResult]]:
-    """Per workload: fixed write-through at 1/8x, 1x, 8x DRAM, fixed second-sighting at 1x, then auto in [1/8x, 8x]."""
+async def compare_one(chains: Sequence[np.ndarray], dram_chunks: int, disk_chunks: int) -> list[ReplayResult]:
+    """Fixed write-through at 1/8x, 1x and 8x DRAM, fixed second-sighting at 1x, then auto within [1/8x, 8x]."""
     chunk = LAYOUT.chunk_nbytes
-    results: dict[str, list[ReplayResult]] = {}
-    for name, make in WORKLOADS.items():
-        chains = make(requests)
-        rows = []
-        for factor in (1 / 8, 1, 8):
-            size = max(1, int(dram_chunks * factor))
-            rows.append(await run_config(chains, f"write-through, {size} chunks", size, disk_chunks, track=False))
-        rows.append(
-            await run_config(
-                chains, f"second-sighting, {dram_chunks} chunks", dram_chunks, disk_chunks, policy="second-sighting"
-            )
+    rows = []
+    for factor in (1 / 8, 1, 8):
+        size = max(1, int(dram_chunks * factor))
+        rows.append(await run_config(chains, f"write-through, {size:,} chunks", size, disk_chunks, track=False))
+    label = f"second-sighting, {dram_chunks:,} chunks"
+    rows.append(await run_config(chains, label, dram_chunks, disk_chunks, policy="second-sighting"))
+    auto = {
+        "auto": True,
+        "dram_min": max(1, dram_chunks // 8) * chunk,
+        "dram_max": dram_chunks * 8 * chunk,
+        "interval": 0,
+        "min_references": 10_000,
+        "half_life": 50_000,
+    }
+    rows.append(
+        await run_config(
+            chains, f"auto, {dram_chunks // 8:,}-{dram_chunks * 8:,} chunks", dram_chunks, disk_chunks, **auto
         )
-        auto = {
-            "auto": True,
-            "dram_min": max(1, dram_chunks // 8) * chunk,
-            "dram_max": dram_chunks * 8 * chunk,
-            "interval": 0,
-            "min_references": 5000,
-            "half_life": 20_000,
-        }
-        rows.append(await run_config(chains, "auto", dram_chunks, disk_chunks, **auto))
-        results[name] = rows
-    return results
+    )
+    return rows
 
 
 async def lookup_overhead(lookups: int = 20_000, chain: int = 16) -> dict[str, float]:
@@ -153,13 +150,13 @@ async def lookup_overhead(lookups: int = 20_000, chain: int = 16) -> dict[str, f
     return timings
 
 
-def main(requests: int = 20_000, dram_chunks: int = 2000, disk_chunks: int = 20_000) -> None:
+def main(requests: int = 10_000, dram_chunks: int = 1000, disk_chunks: int = 20_000) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    results = asyncio.run(compare(requests, dram_chunks, disk_chunks))
-    for name, rows in results.items():
+    console = Console(width=150)
+    for name, make in WORKLOADS.items():
+        rows = asyncio.run(compare_one(make(requests), dram_chunks, disk_chunks))
         table = Table(title=f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks")
         for column in ("configuration", "hit rate", "DRAM hit rate", "written below DRAM", "DRAM at end", "policy"):
             table.add_column(column, justify="left" if column == "configuration" else "right")

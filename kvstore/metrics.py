@@ -71,8 +71,21 @@ GAUGES = {
     "kvstore_dram_chunks": ("chunks held in DRAM", NS),
     "kvstore_dram_referenced_slots": ("DRAM slots held by a transfer in progress", NS),
     "kvstore_tier_queue_depth": ("writes waiting in the tier's queue (queue_depth at most)", NS_TIER),
+    "kvstore_write_policy_second_sighting": ("1 while the write policy is second-sighting, else 0", NS),
 }
-EXTRA_COUNTERS = {"kvstore_dram_evictions": ("chunks evicted from DRAM to make room", NS)}
+# stats()["adaptive"] key -> counter name and help (adaptive sizing: see kvstore.adaptive).
+ADAPTIVE_COUNTERS = {
+    "decisions": ("kvstore_auto_decisions", "sizing decisions auto mode made"),
+    "resizes": ("kvstore_auto_resizes", "DRAM resizes auto mode made"),
+    "policy_switches": ("kvstore_auto_policy_switches", "write policy changes auto mode made"),
+    "held_back": ("kvstore_held_back", "chunks the second-sighting policy kept out of the lower tiers"),
+    "released": ("kvstore_held_back_released", "held-back chunks sent below later (a DRAM hit: a second sighting)"),
+    "lookups_tracked": ("kvstore_lookups_tracked", "chunk lookups the hit-rate tracker has processed"),
+}
+EXTRA_COUNTERS = {
+    "kvstore_dram_evictions": ("chunks evicted from DRAM to make room", NS),
+    **{name: (help_text, NS) for name, help_text in ADAPTIVE_COUNTERS.values()},
+}
 HISTOGRAMS = {
     "kvstore_tier_read_seconds": (
         "seconds per tier read (one batch: a get's chunks missing from faster tiers)",
@@ -124,6 +137,11 @@ def _read(store: KVStore) -> tuple[list[Sample], list[HistSample]]:
         ("kvstore_dram_referenced_slots", (ns,), dram["referenced"]),
         ("kvstore_dram_evictions", (ns,), dram["evictions"]),
     ]
+    adaptive = stats["adaptive"]
+    samples += [
+        (ADAPTIVE_COUNTERS[key][0], (ns,), value) for key, value in adaptive.items() if key in ADAPTIVE_COUNTERS
+    ]
+    samples.append(("kvstore_write_policy_second_sighting", (ns,), float(adaptive["policy"] == "second-sighting")))
     hists: list[HistSample] = [
         ("kvstore_lookup_seconds", (ns,), store.latency.lookup),
         ("kvstore_get_seconds", (ns,), store.latency.get),

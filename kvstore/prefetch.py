@@ -147,6 +147,7 @@ class LayerStream:
         """Per chunk: a DRAM slot (referenced), else the fastest tier's reader (each tier opens its batch at once)."""
         store = self._store
         self._slots = [store.pool.acquire(key) for key in self._keys]
+        store._release_held_back(self._keys, self._slots)  # a DRAM hit is a second sighting
         self._readers = [None] * len(self._keys)
         missing = [index for index, slot in enumerate(self._slots) if slot is None]
         store._counters["streamed"] += len(self._keys)

@@ -314,8 +314,7 @@ class KVStore:
         self._counters["gets"] += len(keys)
         slots: list[int | None] = [self.pool.acquire(key) for key in keys]
         try:
-            if len(self._held_back):
-                self._release_held_back(keys, slots)
+            self._release_held_back(keys, slots)
             missing = [i for i, slot in enumerate(slots) if slot is None]
             if missing and self.tiers:
                 promoted = await self._promote([keys[i] for i in missing])
@@ -452,6 +451,8 @@ class KVStore:
 
     def _release_held_back(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
         """DRAM hits on chunks the second-sighting policy kept from the lower tiers: a second sighting, so send them."""
+        if not len(self._held_back):
+            return
         for key, slot in zip(keys, slots, strict=True):
             if slot is not None and self._held_back.take(key):
                 self._enqueue(self.tiers, key, slot)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvstore.advice import Advice
 from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -80,6 +81,10 @@ class SyncKVStore:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return self._call(_on_loop(self.store.stats))
+
+    def advise(self, bounds: tuple[int, int] | None = None) -> Advice:
+        """:meth:`KVStore.advise`, run on the store's loop (the tracker is the loop's)."""
+        return self._call(_on_loop(lambda: self.store.advise(bounds)))
 
     def close(self) -> None:
         if not self._thread.is_alive():

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvstore import traces
 from kvstore.bench_adaptive import LAYOUT, ReplayResult, replay, store_config
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.store import KVStore
+from kvstore.sync import SyncKVStore
 
 CHUNK = LAYOUT.chunk_nbytes
 
@@ -175,3 +177,46 @@ async def test_tracking_sees_the_keys_of_put_and_get_unchanged(tmp_path: Path) -
     assert (on.prefix_hits, on.written_below) == (off.prefix_hits, off.written_below)
     # which DRAM slot an eviction finds free depends on when the cascade's writes end: timing, not tracking
     assert on.dram_hits == pytest.approx(off.dram_hits, rel=0.02)
+
+
+async def test_second_sighting_writes_through_until_the_store_sees_a_lookup(tmp_path: Path) -> None:
+    """A store that never looks up (a vLLM worker: lookups run in the scheduler's process) cannot judge: it writes."""
+    config = store_config(tmp_path, 64, 10_000, policy="second-sighting")
+    keys = [traces.trace_key(int(i)) for i in traces.all_unique(1, chunks=3, seed=21)[0]]
+    chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+    async with KVStore(config, LAYOUT, "adaptive") as store:
+        (disk,) = store.tiers
+        for key in keys:
+            assert await store.put(key, chunk)
+        await store.flush()
+        assert all(disk.holds(key) for key in keys)
+        assert store.stats()["adaptive"]["held_back"] == 0
+
+
+async def test_a_layer_stream_from_dram_releases_held_back_chunks(tmp_path: Path) -> None:
+    config = store_config(tmp_path, 64, 10_000, policy="second-sighting")
+    (chain,) = traces.all_unique(1, chunks=3, seed=22)
+    keys = [traces.trace_key(int(i)) for i in chain]
+    async with KVStore(config, LAYOUT, "adaptive") as store:
+        (disk,) = store.tiers
+        await replay(store, [chain])
+        assert not any(disk.holds(key) for key in keys)
+        async with store.prefetch(keys) as stream:
+            layers = [layer async for layer, _ in stream]
+        await store.flush()
+        assert layers == list(range(LAYOUT.num_layers))
+        assert all(disk.holds(key) for key in keys)
+        assert store.stats()["adaptive"]["released"] == 3
+
+
+def test_sync_store_gives_advice(tmp_path: Path) -> None:
+    chains = traces.zipf_prefixes(400, prefixes=20, seed=23)
+    chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+    with SyncKVStore(store_config(tmp_path, 200, 10_000), LAYOUT, "adaptive") as store:
+        for chain in chains:
+            keys = [traces.trace_key(int(i)) for i in chain]
+            for key in keys[store.lookup(keys) :]:
+                store.put(key, chunk)
+        advice = store.advise()
+    assert advice.references == sum(len(chain) for chain in chains)
+    assert 0 < advice.rows[-1].hit_rate <= 1

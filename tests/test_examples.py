@@ -13,6 +13,7 @@ from pathlib import Path
 from conftest import TEST_BUCKET
 
 from kvstore.devservers import RedisServer, SeaweedFSServer
+from kvstore.traces import read_trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -120,3 +121,13 @@ def test_vllm_config_second_engine_loads_the_prefix_from_disk():
                        r"not computed; (\w+) (\d+) output tokens as engine 1$", out, re.M)  # fmt: skip
     assert second is not None, out
     assert (int(second[1]), second[2], int(second[3])) == (768, "same", 16), out  # 3 chunks of 256; the rest computed
+
+
+def test_adaptive_sizing_decides_advises_and_writes_a_trace(tmp_path: Path):
+    trace = tmp_path / "lookups.kvtrace"
+    out = run_example("adaptive_sizing.py", "--trace", str(trace), "--sessions", "1200")
+    decisions = re.search(r"auto mode: (\d+) decisions", out)
+    assert decisions and int(decisions[1]) >= 2, out
+    assert "<- recommended" in out and "hit rate" in out, out
+    lookups = int(re.search(r"\(([\d,]+) chunk lookups\)", out)[1].replace(",", ""))
+    assert len(read_trace(trace)) == lookups > 0

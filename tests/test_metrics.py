@@ -131,6 +131,9 @@ async def test_scrape_matches_store_counters(tmp_path: Path) -> None:
     assert value(samples, "kvstore_dram_used_bytes", namespace=namespace) == 2 * LAYOUT.chunk_nbytes
     assert value(samples, "kvstore_dram_capacity_bytes", namespace=namespace) == 8 * LAYOUT.chunk_nbytes
     assert value(samples, "kvstore_dram_evictions_total", namespace=namespace) == stats["dram"]["evictions"]
+    for key, (name, _) in metrics.ADAPTIVE_COUNTERS.items():
+        assert value(samples, f"{name}_total", namespace=namespace) == stats["adaptive"][key], key
+    assert value(samples, "kvstore_write_policy_second_sighting", namespace=namespace) == 0
     check_histogram(samples, "kvstore_tier_read_seconds", 3, **disk)
     check_histogram(samples, "kvstore_tier_lookup_seconds", 2, **disk)
     check_histogram(samples, "kvstore_tier_write_seconds", 0, **disk)
