@@ -10,6 +10,7 @@ the store's event loop; nothing is shared with other threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -88,7 +89,13 @@ class AccessTracker:
         hashed = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
         self.sampler.record(hashed)
         if self.trace is not None:
-            self._write_trace(batches, times, keys)
+            try:
+                self._write_trace(batches, times, keys)
+            except OSError as exc:  # a full disk must not break lookups: stop tracing, say so once
+                log.warning("adaptive.trace: writing %s failed (%r); no longer tracing", self.trace.path, exc)
+                trace, self.trace = self.trace, None
+                with contextlib.suppress(OSError):
+                    trace.close()
         self.references += len(keys)
         self.requests += len(batches)
 
@@ -103,6 +110,7 @@ class AccessTracker:
             np.repeat(request_numbers, lengths),
             key_ids(keys),
         )
+        self.trace.flush()  # one write per batch: `kvstore advise` can read the trace of a running store
 
     def seen_before(self, key: ChunkKey) -> bool:
         """Whether ``key`` was looked up before the lookup that led to this put (two sightings or more).
@@ -237,6 +245,11 @@ class AutoMode:
         self.store = store
         self._task: asyncio.Task[None] | None = None
         self._last = (0, time.monotonic())  # (lookups seen, time) at the last decision
+
+    def cancel(self) -> None:
+        """Stop a decision in progress (the store is closing); a resize thread already running finishes."""
+        if self._task is not None:
+            self._task.cancel()
 
     def maybe_decide(self) -> None:
         """Start a decision when enough lookups and time have passed since the last one."""

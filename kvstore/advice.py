@@ -19,7 +19,7 @@ Write policies:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -105,6 +105,7 @@ class Advice:
     rows: list[SizeRow]
     disk_rows: list[tuple[int, float]]  # disk bytes, cumulative hit rate (DRAM + disk) at the current DRAM size
     verdict: list[str]
+    recommended_disk_bytes: int | None = None  # the first bounded tier below DRAM (the disk), if any
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,12 +152,13 @@ def advise(
         for size in shown
     ]
     disk_rows = []
-    bounded = [tier for tier in cost.lower if tier.capacity_chunks < UNBOUNDED]
+    recommended_disk = None
+    bounded = [i for i, tier in enumerate(cost.lower) if tier.capacity_chunks < UNBOUNDED]
     if bounded:
-        disk = bounded[0].capacity_chunks * chunk
-        for factor in SIZE_FACTORS:
-            size = disk * factor
-            disk_rows.append((int(size), profile.hit_rate(max(size, dram_bytes) / chunk)))
+        disk = int(cost.lower[bounded[0]].capacity_chunks * chunk)
+        recommended_disk = _disk_knee(profile, cost, bounded[0], dram_bytes, best_policy, disk, knee)
+        sizes = sorted({int(disk * factor) for factor in SIZE_FACTORS} | {recommended_disk})
+        disk_rows = [(size, profile.hit_rate(max(size, dram_bytes) / chunk)) for size in sizes]
     advice = Advice(
         references=profile.references,
         sample_rate=profile.sample_rate,
@@ -169,9 +171,27 @@ def advise(
         rows=rows,
         disk_rows=disk_rows,
         verdict=[],
+        recommended_disk_bytes=recommended_disk,
     )
     advice.verdict = _verdict(advice, profile, cost, decided_at=high)
     return advice
+
+
+def _disk_knee(
+    profile: ReuseProfile, cost: CostModel, index: int, dram_bytes: int, policy: Policy, disk: int, knee: float
+) -> int:
+    """The smallest disk size (1/8x to 8x of ``disk``) with ``knee`` of the largest one's gain, as for DRAM."""
+    chunk, tier = cost.chunk_bytes, cost.lower[index]
+    grid = _size_grid(max(chunk, disk // 8), disk * 8, chunk)
+    net = []
+    for size in grid:
+        resized = replace(tier, capacity_chunks=size / chunk)
+        lower = [*cost.lower[:index], resized, *cost.lower[index + 1 :]]
+        net.append(replace(cost, lower=lower).net_saving(profile, dram_bytes / chunk, policy))
+    gain = net[-1] - net[0]
+    if gain <= 1e-3:
+        return grid[0]
+    return next(size for size, value in zip(grid, net, strict=True) if value - net[0] >= knee * gain)
 
 
 def choose_policy(
@@ -241,8 +261,21 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at:
         )
     else:
         lines.append(f"DRAM: {_gib(size)} is about right for this traffic.")
+    if advice.recommended_disk_bytes is not None and advice.disk_rows:
+        disk = int(next(t.capacity_chunks for t in cost.lower if t.capacity_chunks < UNBOUNDED) * chunk)
+        target = advice.recommended_disk_bytes
+        rate = {size: hit for size, hit in advice.disk_rows}
+        now_rate = profile.hit_rate(max(disk, advice.dram_bytes) / chunk)
+        if target < disk * 0.8:
+            lines.append(f"disk: {_gib(target)} keeps nearly every hit that {_gib(disk)} does ({rate[target]:.0%}).")
+        elif target > disk * 1.1:
+            lines.append(f"disk: {_gib(target)} would raise the hit rate to {rate[target]:.0%} (now {now_rate:.0%}).")
+        else:
+            lines.append(f"disk: {_gib(disk)} is about right for this traffic.")
     return lines
 
 
 def _gib(size: float) -> str:
+    if size >= 2**40:
+        return f"{size / 2**40:.2f} TiB"
     return f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.1f} MiB"

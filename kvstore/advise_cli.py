@@ -147,7 +147,8 @@ def disk_table(result: Advice, disk_bytes: int) -> Table:
     for column in ("disk", "hit rate", ""):
         table.add_column(column, justify="right")
     for size, rate in result.disk_rows:
-        table.add_row(human_bytes(size), f"{rate:.1%}", "current" if size == disk_bytes else "")
+        marks = ["current"] * (size == disk_bytes) + ["recommended"] * (size == result.recommended_disk_bytes)
+        table.add_row(human_bytes(size), f"{rate:.1%}", ", ".join(marks))
     return table
 
 
@@ -285,8 +286,11 @@ def advise_command(
     for sentence in result.verdict:
         console.print(f"- {sentence}", highlight=False)
     console.print(
-        f"[bold]recommendation: DRAM {human_bytes(result.recommended_dram_bytes)}, policy "
-        f"'{result.recommended_policy}'[/bold] (now {human_bytes(dram_bytes)}, '{current}')",
+        f"[bold]recommendation: DRAM {human_bytes(result.recommended_dram_bytes)}"
+        + (f", disk {human_bytes(result.recommended_disk_bytes)}" if result.recommended_disk_bytes else "")
+        + f", policy '{result.recommended_policy}'[/bold] (now {human_bytes(dram_bytes)}"
+        + (f", disk {human_bytes(disk_bytes)}" if result.recommended_disk_bytes else "")
+        + f", '{current}')",
         highlight=False,
     )
     if plot is not None:

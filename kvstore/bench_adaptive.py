@@ -47,8 +47,11 @@ class ReplayResult:
         return self.dram_hits / max(1, self.references)
 
 
-async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "") -> ReplayResult:
-    """Each chain as an engine would send it: lookup, load the prefix found, put the chunks it computed."""
+async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "", settle: bool = False) -> ReplayResult:
+    """Each chain as an engine would send it: lookup, load the prefix found, put the chunks it computed.
+
+    ``settle`` waits for the writes below DRAM after each chain, so the outcome does not depend on timing.
+    """
     chunk = torch.zeros(store.layout.chunk_shape, dtype=store.layout.dtype)
     outs = [torch.empty_like(chunk) for _ in range(max((len(c) for c in chains), default=0))]
     references = prefix_hits = 0
@@ -61,6 +64,8 @@ async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "") 
             await store.get_many(keys[:found], outs[:found])
         for key in keys[found:]:
             await store.put(key, chunk)
+        if settle:
+            await store.flush()
     await store.flush()
     stats = store.stats()
     below = sum(tier.stats.hits for tier in store.tiers)

@@ -152,6 +152,8 @@ class KVStore:
                 log.warning(
                     "close: pending writes did not finish in %.1fs; abandoning them", self.config.timeouts.close
                 )
+        if self._auto is not None:
+            self._auto.cancel()
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)

@@ -20,10 +20,12 @@ from kvstore.sync import SyncKVStore
 CHUNK = LAYOUT.chunk_nbytes
 
 
-async def run(tmp_path: Path, chains: list[np.ndarray], dram: int, disk: int = 50_000, **adaptive) -> ReplayResult:
+async def run(
+    tmp_path: Path, chains: list[np.ndarray], dram: int, disk: int = 50_000, settle: bool = False, **adaptive
+) -> ReplayResult:
     directory = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
     async with KVStore(store_config(directory, dram, disk, **adaptive), LAYOUT, "adaptive") as store:
-        return await replay(store, chains)
+        return await replay(store, chains, settle=settle)
 
 
 AUTO = {"auto": True, "interval": 0, "min_references": 4000, "half_life": 20_000}
@@ -154,6 +156,8 @@ async def test_store_writes_a_trace_of_every_lookup(tmp_path: Path) -> None:
     chains = traces.rag(300, seed=19)
     async with KVStore(store_config(tmp_path / "disk", 200, 10_000, trace=path), LAYOUT, "adaptive") as store:
         await replay(store, chains)
+        running = traces.read_trace(path)  # a running store's trace is readable: whole batches so far
+        assert 4096 <= len(running) < sum(len(chain) for chain in chains)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     trace = traces.read_trace(path)
     assert trace.meta["chunk_bytes"] == CHUNK and trace.meta["chunk_tokens"] == LAYOUT.chunk_tokens
@@ -172,11 +176,9 @@ async def test_a_trace_path_that_cannot_be_written_fails_at_open(tmp_path: Path)
 async def test_tracking_sees_the_keys_of_put_and_get_unchanged(tmp_path: Path) -> None:
     """Tracking changes no result: the same traffic gives the same hits with tracking on and off."""
     chains = traces.zipf_prefixes(1500, prefixes=100, seed=20)
-    off = await run(tmp_path, chains, 300, track=False)
-    on = await run(tmp_path, chains, 300, track=True)
-    assert (on.prefix_hits, on.written_below) == (off.prefix_hits, off.written_below)
-    # which DRAM slot an eviction finds free depends on when the cascade's writes end: timing, not tracking
-    assert on.dram_hits == pytest.approx(off.dram_hits, rel=0.02)
+    off = await run(tmp_path, chains, 300, settle=True, track=False)
+    on = await run(tmp_path, chains, 300, settle=True, track=True)
+    assert (on.prefix_hits, on.dram_hits, on.written_below) == (off.prefix_hits, off.dram_hits, off.written_below)
 
 
 async def test_second_sighting_writes_through_until_the_store_sees_a_lookup(tmp_path: Path) -> None:
@@ -220,3 +222,21 @@ def test_sync_store_gives_advice(tmp_path: Path) -> None:
         advice = store.advise()
     assert advice.references == sum(len(chain) for chain in chains)
     assert 0 < advice.rows[-1].hit_rate <= 1
+
+
+async def test_a_trace_that_fails_to_write_stops_tracing_not_lookups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "lookups.kvtrace"
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    async with KVStore(store_config(tmp_path / "disk", 200, 10_000, trace=path), LAYOUT, "adaptive") as store:
+        monkeypatch.setattr(store._tracker.trace, "append", full_disk)
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
+            result = await replay(store, traces.zipf_prefixes(1000, prefixes=50, seed=24))
+        assert store._tracker.trace is None
+        assert result.prefix_hits > 0
+        assert store.advise().references == result.references  # the curve is still measured
+    assert any("no longer tracing" in record.getMessage() for record in caplog.records)
