@@ -104,7 +104,7 @@ class AccessTracker:
 
         assert self.trace is not None
         lengths = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
-        request_numbers = np.arange(self.requests, self.requests + len(batches), dtype=np.uint32)
+        request_numbers = ((np.arange(len(batches)) + self.requests) % 2**32).astype(np.uint32)  # wraps, as stored
         self.trace.append(
             np.repeat(np.asarray(times) - self._started, lengths),
             np.repeat(request_numbers, lengths),

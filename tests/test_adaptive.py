@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore import traces
-from kvstore.bench_adaptive import LAYOUT, ReplayResult, replay, store_config
+from kvstore.bench_adaptive import LAYOUT, ReplayResult, compare_one, lookup_overhead, replay, store_config
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.store import KVStore
 from kvstore.sync import SyncKVStore
@@ -240,3 +240,20 @@ async def test_a_trace_that_fails_to_write_stops_tracing_not_lookups(
         assert result.prefix_hits > 0
         assert store.advise().references == result.references  # the curve is still measured
     assert any("no longer tracing" in record.getMessage() for record in caplog.records)
+
+
+async def test_the_bench_compares_fixed_configurations_with_auto_mode() -> None:
+    """A smoke run of the replay bench's parts on little traffic (timings are printed, never checked)."""
+    rows = await compare_one(traces.all_unique(600, seed=25), dram_chunks=80, disk_chunks=5000)
+    labels = [row.label for row in rows]
+    assert labels[:3] == [f"write-through, {n} chunks" for n in ("10", "80", "640")]
+    assert labels[3].startswith("second-sighting") and labels[4].startswith("auto")
+    assert rows[3].written_below == 0 < rows[1].written_below  # one-off prompts: nothing below DRAM
+    timings = await lookup_overhead(lookups=300, chain=4, rounds=1)
+    assert set(timings) == {
+        f"{case}_{variant}{suffix}"
+        for case in ("dram", "disk")
+        for variant in ("tracked", "untracked")
+        for suffix in ("", "_call")
+    }
+    assert all(value > 0 for value in timings.values())
