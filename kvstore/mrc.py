@@ -65,11 +65,24 @@ class ReuseProfile:
 
     def hit_rate(self, size_chunks: float) -> float:
         """Fraction of references an LRU of ``size_chunks`` chunks would have served."""
-        return self._at(size_chunks, self.reused)
+        point = self._eviction_point(size_chunks)
+        if point is None:
+            return 0.0
+        before, after, bucket, fraction = point
+        survive = after[-1] if bucket == BUCKETS else before[bucket] - fraction * (before[bucket] - after[bucket])
+        # Watches open at the end include chunks never seen again, which Kaplan-Meier takes for late
+        # returns; but a first sighting never hits, so that is a hard ceiling.
+        return float(min(1.0 - self.cold_fraction, max(0.0, 1.0 - survive)))
 
     def second_sighting_hit_rate(self, size_chunks: float) -> float:
-        """Of :meth:`hit_rate`, the fraction that were chunks' second sightings."""
-        return self._at(size_chunks, self.second)
+        """Of :meth:`hit_rate`, the part that were chunks' second sightings (their share of the reuses it counts)."""
+        point = self._eviction_point(size_chunks)
+        if point is None:
+            return 0.0
+        _, _, bucket, fraction = point
+        whole = self.reused[:bucket].sum() + (fraction * self.reused[bucket] if bucket < BUCKETS else 0.0)
+        part = self.second[:bucket].sum() + (fraction * self.second[bucket] if bucket < BUCKETS else 0.0)
+        return self.hit_rate(size_chunks) * part / whole if whole > 0 else 0.0
 
     def hit_rates(self, sizes: list[float] | np.ndarray) -> list[float]:
         return [self.hit_rate(size) for size in sizes]
@@ -87,34 +100,25 @@ class ReuseProfile:
         before = np.concatenate(([1.0], after[:-1]))
         return before, after
 
-    def _at(self, size: float, hits: np.ndarray) -> float:
-        """The share of watches in ``hits`` with a reuse time at most the eviction time of a ``size`` cache."""
-        total = self.reused.sum() + self.censored.sum()
-        if total <= 0 or size < 1:
-            return 0.0
+    def _eviction_point(self, size: float) -> tuple[np.ndarray, np.ndarray, int, float] | None:
+        """The survival curve and where an LRU of ``size`` chunks evicts on it: (bucket, fraction into it).
+
+        AET: the cache holds 1 + P(1) + ... + P(T) chunks after T references without a reuse, so the
+        eviction time T is where that sum reaches ``size``. Bucket ``BUCKETS`` means past the last one.
+        None without data, or for a cache of no chunk.
+        """
+        if size < 1 or self.reused.sum() + self.censored.sum() <= 0:
+            return None
         before, after = self._survival()
-        # Chunks in the cache after T references: 1 + sum of P(t), t = 1..T (reuses spread evenly in a bucket).
+        # Sum of P(t) over each bucket's integer times, the reuses spread evenly across them.
         per_bucket = _WIDTH * before - (before - after) * (_WIDTH + 1) / 2 * (_WIDTH > 0)
         filled = 1.0 + np.cumsum(per_bucket)
         bucket = int(np.searchsorted(filled, size))
         if bucket >= BUCKETS:
-            within = np.ones(BUCKETS, dtype=bool)
-            fraction = 1.0
-        else:
-            start = filled[bucket - 1] if bucket > 0 else 1.0
-            fraction = min(1.0, max(0.0, (size - start) / per_bucket[bucket])) if per_bucket[bucket] > 0 else 1.0
-            within = np.arange(BUCKETS) < bucket
-        if hits is self.reused:
-            survive = after[min(bucket, BUCKETS - 1)]
-            if bucket < BUCKETS:
-                survive = before[bucket] - fraction * (before[bucket] - after[bucket])
-            # Watches still open at the end include chunks never seen again, which Kaplan-Meier takes for late
-            # returns; but a first sighting never hits, so that is a hard ceiling.
-            return float(min(1.0 - self.cold_fraction, max(0.0, 1.0 - survive)))
-        # A subset of the reuses: its share of hits, scaled like the whole (same censoring correction).
-        whole = self.reused[within].sum() + (fraction * self.reused[bucket] if bucket < BUCKETS else 0.0)
-        part = hits[within].sum() + (fraction * hits[bucket] if bucket < BUCKETS else 0.0)
-        return self._at(size, self.reused) * (part / whole) if whole > 0 else 0.0
+            return before, after, BUCKETS, 1.0
+        start = filled[bucket - 1] if bucket > 0 else 1.0
+        fraction = min(1.0, max(0.0, (size - start) / per_bucket[bucket])) if per_bucket[bucket] > 0 else 1.0
+        return before, after, bucket, fraction
 
     def as_dict(self) -> dict[str, Any]:
         used = int(np.flatnonzero(self.reused + self.censored).max() + 1) if (self.reused + self.censored).any() else 0
