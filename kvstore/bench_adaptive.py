@@ -34,6 +34,7 @@ class ReplayResult:
     prefix_hits: int  # chunks lookup() found (the prefix an engine would load instead of computing)
     dram_hits: int  # of which, served from DRAM
     written_below: int  # bytes written to the tiers below DRAM
+    rejected: int  # puts refused: every DRAM slot was held by a transfer (writes queued below, mostly)
     dram_bytes_end: int
     policy_end: str
     adaptive: dict[str, Any]
@@ -75,6 +76,7 @@ async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "", 
         prefix_hits=prefix_hits,
         dram_hits=stats["store"]["hits"] - below,
         written_below=sum(tier.stats.bytes_written for tier in store.tiers),
+        rejected=stats["store"]["put_rejected"],
         dram_bytes_end=store.pool.capacity_bytes,
         policy_end=store.policy,
         adaptive=stats["adaptive"],
@@ -183,7 +185,8 @@ def main(requests: int = 10_000, dram_chunks: int = 1000, disk_chunks: int = 20_
     for name, make in WORKLOADS.items():
         rows = asyncio.run(compare_one(make(requests), dram_chunks, disk_chunks))
         table = Table(title=f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks")
-        for column in ("configuration", "hit rate", "DRAM hit rate", "written below DRAM", "DRAM at end", "policy"):
+        columns = ("configuration", "hit rate", "DRAM hit rate", "written below DRAM", "puts refused", "DRAM at end")
+        for column in (*columns, "policy"):
             table.add_column(column, justify="left" if column == "configuration" else "right")
         for row in rows:
             table.add_row(
@@ -191,6 +194,7 @@ def main(requests: int = 10_000, dram_chunks: int = 1000, disk_chunks: int = 20_
                 f"{row.hit_rate:.1%}",
                 f"{row.dram_hit_rate:.1%}",
                 f"{row.written_below / 2**20:.1f} MiB",
+                f"{row.rejected:,}",
                 f"{row.dram_bytes_end // LAYOUT.chunk_nbytes:,} chunks",
                 row.policy_end,
             )
