@@ -133,13 +133,7 @@ def advise(
     savings = {p: cost.net_saving(profile, dram_bytes / chunk, p) for p in POLICIES}
     best_policy = choose_policy(profile, cost, high / chunk, policy)
     grid = _size_grid(low, high, chunk)
-    net = [cost.net_saving(profile, size / chunk, best_policy) for size in grid]
-    gain_full = net[-1] - net[0]
-    recommended = (
-        grid[0]
-        if gain_full <= 1e-3
-        else next(s for s, n in zip(grid, net, strict=True) if n - net[0] >= knee * gain_full)
-    )
+    recommended = _knee(grid, [cost.net_saving(profile, size / chunk, best_policy) for size in grid], knee)
     shown = sorted({int(dram_bytes * f) // chunk * chunk for f in SIZE_FACTORS if dram_bytes * f >= chunk})
     shown = sorted(set(shown) | {recommended})
     rows = [
@@ -188,10 +182,15 @@ def _disk_knee(
         resized = replace(tier, capacity_chunks=size / chunk)
         lower = [*cost.lower[:index], resized, *cost.lower[index + 1 :]]
         net.append(replace(cost, lower=lower).net_saving(profile, dram_bytes / chunk, policy))
+    return _knee(grid, net, knee)
+
+
+def _knee(sizes: list[int], net: list[float], knee: float) -> int:
+    """The smallest size whose gain over the first is ``knee`` of the last one's; the first if nothing is gained."""
     gain = net[-1] - net[0]
-    if gain <= 1e-3:
-        return grid[0]
-    return next(size for size, value in zip(grid, net, strict=True) if value - net[0] >= knee * gain)
+    if gain <= 1e-3:  # under 0.1% of prefill: not worth any memory
+        return sizes[0]
+    return next(size for size, value in zip(sizes, net, strict=True) if value - net[0] >= knee * gain)
 
 
 def choose_policy(
