@@ -258,6 +258,10 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at:
             f"DRAM: the working set is larger than {_gib(size)}; {_gib(recommended)} would serve "
             f"{at_recommended.dram_hit_rate:.0%} of lookups from DRAM (now {dram_rate:.0%})."
         )
+    elif recommended < size:
+        lines.append(
+            f"DRAM: {_gib(size)} is about right for this traffic ({_gib(recommended)} would do nearly as well)."
+        )
     else:
         lines.append(f"DRAM: {_gib(size)} is about right for this traffic.")
     if advice.recommended_disk_bytes is not None and advice.disk_rows:
