@@ -198,7 +198,9 @@ class MetricsConfig(_Section):
 class AdaptiveConfig(_Section):
     """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.adaptive)."""
 
-    track: bool = Field(True, description="measure the hit rate against tier size online (costs ~0.1 us a key)")
+    track: bool = Field(
+        True, description="measure the hit rate against tier size online (~0.25 us a key, after lookup returns)"
+    )
     sample_rate: float = Field(1 / 64, gt=0, le=1, description="fraction of chunk lookups whose reuse is timed")
     max_watches: int = Field(1 << 16, ge=16, le=1 << 24, description="sampled lookups waiting for their reuse, at most")
     half_life: int = Field(
