@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvstore.advice import UNBOUNDED, CostModel, Policy, TierCost, advise
+from kvstore.advice import DEFAULT_BANDWIDTH, UNBOUNDED, Advice, CostModel, TierCost, advise
 from kvstore.config import ConfigError
 from kvstore.keys import ChunkKey, namespace_dir
 from kvstore.mrc import ReuseProfile, ReuseSampler
+from kvstore.traces import TraceWriter, key_ids
 
 if TYPE_CHECKING:
     from kvstore.store import KVStore
@@ -56,11 +57,7 @@ class AccessTracker:
         self.references = 0  # lookups' keys processed so far
         self.requests = 0
         self._started = time.monotonic()
-        self.trace = None
-        if trace_path is not None:
-            from kvstore.traces import TraceWriter
-
-            self.trace = TraceWriter(trace_path, trace_meta or {})
+        self.trace = TraceWriter(trace_path, trace_meta or {}) if trace_path is not None else None
 
     def note(self, keys: Sequence[ChunkKey]) -> None:
         """One lookup's keys, in prefix order (the caller must not change the sequence afterwards)."""
@@ -101,8 +98,6 @@ class AccessTracker:
         self.requests += len(batches)
 
     def _write_trace(self, batches: list[Sequence[ChunkKey]], times: list[float]) -> None:
-        from kvstore.traces import key_ids
-
         assert self.trace is not None
         lengths = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
         request_numbers = ((np.arange(len(batches)) + self.requests) % 2**32).astype(np.uint32)  # wraps, as stored
@@ -160,8 +155,7 @@ class HeldBack:
 class AdaptiveCounters:
     """What auto mode did, for ``stats()`` and Prometheus."""
 
-    def __init__(self, policy: Policy) -> None:
-        self.policy: Policy = policy
+    def __init__(self) -> None:
         self.decisions = 0
         self.resizes = 0
         self.grown = 0
@@ -170,7 +164,7 @@ class AdaptiveCounters:
         self.held_back = 0  # chunks kept out of the lower tiers by the second-sighting policy
         self.released = 0  # of which, sent on later (a second sighting hit them in DRAM)
 
-    def as_dict(self) -> dict[str, int | str]:
+    def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
@@ -207,7 +201,9 @@ def cost_model(store: KVStore) -> CostModel:
     lower = []
     for tier in store.tiers:
         stats, latency = tier.stats, tier.latency
-        default_read, default_write = (2e9, 1e9) if tier.is_local else (1e9, 1e9)  # DESIGN.md's baselines
+        local = tier.is_local
+        default_read = DEFAULT_BANDWIDTH["disk_read" if local else "remote"]
+        default_write = DEFAULT_BANDWIDTH["disk_write" if local else "remote"]
         read_s = latency.read.sum / stats.hits if stats.hits >= 8 else chunk / default_read
         writes = stats.writes + stats.skipped
         write_s = latency.write.sum / writes if writes >= 8 else chunk / default_write
@@ -221,6 +217,15 @@ def cost_model(store: KVStore) -> CostModel:
         dram_copy_s=chunk / copy_bandwidth(),
         lower=lower,
     )
+
+
+def store_advice(store: KVStore, bounds: tuple[int, int] | None) -> tuple[Advice, ReuseProfile, CostModel]:
+    """The store's advice, with the curve and the costs it came from (auto mode weighs them again)."""
+    if store._tracker is None:
+        raise RuntimeError("advise() needs the access tracker: set adaptive.track = true")
+    profile, cost = store._tracker.profile(), cost_model(store)
+    knee = store.config.adaptive.knee
+    return advise(profile, cost, store.pool.capacity_bytes, store.policy, bounds=bounds, knee=knee), profile, cost
 
 
 _copy_rate: float | None = None
@@ -268,16 +273,7 @@ class AutoMode:
         """One decision: the write policy, then DRAM resized within the bounds (in a thread: it allocates)."""
         store, counters = self.store, self.store.adaptive
         try:
-            assert store._tracker is not None
-            profile, cost = store._tracker.profile(), cost_model(store)
-            advice = advise(
-                profile,
-                cost,
-                store.pool.capacity_bytes,
-                store.policy,
-                bounds=store.config.dram_bounds(),
-                knee=store.config.adaptive.knee,
-            )
+            advice, profile, cost = store_advice(store, store.config.dram_bounds())
             counters.decisions += 1
             policy = advice.recommended_policy
             if policy != store.policy:
@@ -288,7 +284,7 @@ class AutoMode:
                     100 * advice.savings[store.policy],
                     100 * advice.savings[policy],
                 )
-                store.policy = counters.policy = policy
+                store.policy = policy
                 counters.policy_switches += 1
             before, target = store.pool.capacity_bytes, advice.recommended_dram_bytes
             chunk = store.layout.chunk_nbytes

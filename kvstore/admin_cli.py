@@ -25,7 +25,7 @@ from rich.table import Table
 
 from kvstore import admin
 from kvstore.backends.base import RemoveReport
-from kvstore.config import ConfigError, StoreConfig
+from kvstore.config import ConfigError, StoreConfig, human_bytes
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_DAMAGED, EXIT_DECLINED = 0, 1, 2, 3, 4
 T = TypeVar("T")
@@ -64,14 +64,6 @@ def parse_size(text: str) -> int:
         return int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
         raise typer.BadParameter(f"{text!r} is not a size; write e.g. 500GiB, 2TB or 1048576") from None
-
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
 
 
 def human_age(seconds: float) -> str:

@@ -24,12 +24,15 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvstore.config import human_bytes
 from kvstore.mrc import ReuseProfile
 
 Policy = Literal["write-through", "second-sighting"]
 POLICIES: tuple[Policy, ...] = ("write-through", "second-sighting")
 SIZE_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8)  # the sizes advice shows, relative to the current one
 UNBOUNDED = float(1 << 40)  # chunks: "as large as retention lets it grow"
+# Bytes per second until a store has timed its own tiers: this machine kind's baselines (DESIGN.md).
+DEFAULT_BANDWIDTH = {"dram_copy": 15e9, "disk_read": 2e9, "disk_write": 1e9, "remote": 1e9}
 
 
 @dataclass
@@ -227,7 +230,7 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at:
         # The policy is chosen at the largest size considered; at the current size the two may be level.
         now = cost.net_saving(profile, decided_at / chunk, advice.policy)
         better = cost.net_saving(profile, decided_at / chunk, advice.recommended_policy)
-        where = "" if decided_at == advice.dram_bytes else f" with {_gib(decided_at)} DRAM"
+        where = "" if decided_at == advice.dram_bytes else f" with {human_bytes(decided_at)} DRAM"
         if advice.recommended_policy == "second-sighting":
             judgement = (
                 "the cascade costs more than it returns"
@@ -249,36 +252,36 @@ def _verdict(advice: Advice, profile: ReuseProfile, cost: CostModel, decided_at:
     at_recommended = next(row for row in advice.rows if row.dram_bytes == recommended)
     if recommended < size * 0.8:  # as auto mode: a smaller step is not worth a resize
         lines.append(
-            f"DRAM: {_gib(recommended)} gets nearly all that {_gib(size)} does "
+            f"DRAM: {human_bytes(recommended)} gets nearly all that {human_bytes(size)} does "
             f"({at_recommended.dram_hit_rate:.0%} against {dram_rate:.0%} from DRAM)"
             "; shrink it and give the memory back."
         )
     elif recommended > size * 1.1:
         lines.append(
-            f"DRAM: the working set is larger than {_gib(size)}; {_gib(recommended)} would serve "
+            f"DRAM: the working set is larger than {human_bytes(size)}; {human_bytes(recommended)} would serve "
             f"{at_recommended.dram_hit_rate:.0%} of lookups from DRAM (now {dram_rate:.0%})."
         )
     elif recommended < size:
         lines.append(
-            f"DRAM: {_gib(size)} is about right for this traffic ({_gib(recommended)} would do nearly as well)."
+            f"DRAM: {human_bytes(size)} is about right for this traffic "
+            f"({human_bytes(recommended)} would do nearly as well)."
         )
     else:
-        lines.append(f"DRAM: {_gib(size)} is about right for this traffic.")
+        lines.append(f"DRAM: {human_bytes(size)} is about right for this traffic.")
     if advice.recommended_disk_bytes is not None and advice.disk_rows:
         disk = int(next(t.capacity_chunks for t in cost.lower if t.capacity_chunks < UNBOUNDED) * chunk)
         target = advice.recommended_disk_bytes
         rate = {size: hit for size, hit in advice.disk_rows}
         now_rate = profile.hit_rate(max(disk, advice.dram_bytes) / chunk)
         if target < disk * 0.8:
-            lines.append(f"disk: {_gib(target)} keeps nearly every hit that {_gib(disk)} does ({rate[target]:.0%}).")
+            lines.append(
+                f"disk: {human_bytes(target)} keeps nearly every hit that {human_bytes(disk)} does "
+                f"({rate[target]:.0%})."
+            )
         elif target > disk * 1.1:
-            lines.append(f"disk: {_gib(target)} would raise the hit rate to {rate[target]:.0%} (now {now_rate:.0%}).")
+            lines.append(
+                f"disk: {human_bytes(target)} would raise the hit rate to {rate[target]:.0%} (now {now_rate:.0%})."
+            )
         else:
-            lines.append(f"disk: {_gib(disk)} is about right for this traffic.")
+            lines.append(f"disk: {human_bytes(disk)} is about right for this traffic.")
     return lines
-
-
-def _gib(size: float) -> str:
-    if size >= 2**40:
-        return f"{size / 2**40:.2f} TiB"
-    return f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.1f} MiB"

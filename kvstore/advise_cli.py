@@ -1,7 +1,7 @@
 """``kvstore advise TRACE``: replay a recorded chunk-lookup trace and say what DRAM size and write policy pay.
 
-The trace (``[adaptive] trace = ...`` records one) is fed in order to the same SHARDS sampler the store
-runs online, so the offline answer is the one auto mode would reach; ``--exact`` times every reuse
+The trace (``[adaptive] trace = ...`` records one) is fed in order to the same reuse-time sampler the
+store runs online, so the offline answer is the one auto mode would reach; ``--exact`` times every reuse
 instead, for a curve without sampling error on traces small enough to afford it. Costs are in seconds
 per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
 baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.advice`).
@@ -21,8 +21,18 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from kvstore.admin_cli import EXIT_USAGE, ConfigOption, console, errors, human_bytes, load_config, parse_size
-from kvstore.advice import POLICIES, UNBOUNDED, Advice, CostModel, Policy, TierCost, advise
+from kvstore.admin_cli import EXIT_USAGE, ConfigOption, console, errors, load_config, parse_size
+from kvstore.advice import (
+    DEFAULT_BANDWIDTH,
+    POLICIES,
+    UNBOUNDED,
+    Advice,
+    CostModel,
+    Policy,
+    TierCost,
+    advise,
+)
+from kvstore.config import human_bytes
 from kvstore.mrc import ReuseProfile, ReuseSampler
 from kvstore.traces import (
     Trace,
@@ -38,8 +48,9 @@ from kvstore.traces import (
 )
 
 GB = 1e9
-# Measured on this machine kind (``kvstore bench``): DRAM copy, disk read and disk write, GB/s.
-DRAM_GBPS, DISK_READ_GBPS, DISK_WRITE_GBPS, REMOTE_GBPS = 15.0, 2.0, 1.0, 1.0
+DRAM_GBPS, DISK_READ_GBPS, DISK_WRITE_GBPS, REMOTE_GBPS = (
+    DEFAULT_BANDWIDTH[name] / GB for name in ("dram_copy", "disk_read", "disk_write", "remote")
+)
 SYNTHETIC = ("zipf", "multi-turn", "rag", "unique", "phase")
 # SmolLM2-135M: 30 layers x K,V x 3 heads x 64 dims x 2 bytes x 256 tokens, bf16 (1,966,080 bytes).
 SYNTHETIC_META = {"chunk_tokens": 256, "chunk_bytes": 1_966_080, "writer": "kvstore advise --synthetic"}

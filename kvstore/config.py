@@ -60,6 +60,15 @@ def _strict_size(value: Any) -> Any:
 Size = Annotated[ByteSize, BeforeValidator(_strict_size)]
 
 
+def human_bytes(size: float) -> str:
+    """A size as people read it: '512 B', '1.5 MiB', '32.0 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore"
 

@@ -65,13 +65,7 @@ class ReuseProfile:
     def hit_rate(self, size_chunks: float) -> float:
         """Fraction of references an LRU of ``size_chunks`` chunks would have served."""
         point = self._eviction_point(size_chunks)
-        if point is None:
-            return 0.0
-        before, after, bucket, fraction = point
-        survive = after[-1] if bucket == BUCKETS else before[bucket] - fraction * (before[bucket] - after[bucket])
-        # Watches open at the end include chunks never seen again, which Kaplan-Meier takes for late
-        # returns; but a first sighting never hits, so that is a hard ceiling.
-        return float(min(1.0 - self.cold_fraction, max(0.0, 1.0 - survive)))
+        return 0.0 if point is None else self._hit_rate_at(point)
 
     def second_sighting_hit_rate(self, size_chunks: float) -> float:
         """Of :meth:`hit_rate`, the part that were chunks' second sightings (their share of the reuses it counts)."""
@@ -81,7 +75,14 @@ class ReuseProfile:
         _, _, bucket, fraction = point
         whole = self.reused[:bucket].sum() + (fraction * self.reused[bucket] if bucket < BUCKETS else 0.0)
         part = self.second[:bucket].sum() + (fraction * self.second[bucket] if bucket < BUCKETS else 0.0)
-        return self.hit_rate(size_chunks) * part / whole if whole > 0 else 0.0
+        return self._hit_rate_at(point) * part / whole if whole > 0 else 0.0
+
+    def _hit_rate_at(self, point: tuple[np.ndarray, np.ndarray, int, float]) -> float:
+        before, after, bucket, fraction = point
+        survive = after[-1] if bucket == BUCKETS else before[bucket] - fraction * (before[bucket] - after[bucket])
+        # Watches open at the end include chunks never seen again, which Kaplan-Meier takes for late
+        # returns; but a first sighting never hits, so that is a hard ceiling.
+        return float(min(1.0 - self.cold_fraction, max(0.0, 1.0 - survive)))
 
     def hit_rates(self, sizes: list[float] | np.ndarray) -> list[float]:
         return [self.hit_rate(size) for size in sizes]

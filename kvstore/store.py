@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from kvstore import metrics
-from kvstore.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, cost_model, make_tracker
-from kvstore.advice import Advice, Policy, advise
+from kvstore.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker, store_advice
+from kvstore.advice import Advice, Policy
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
@@ -71,7 +71,7 @@ class KVStore:
         most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
         self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most)
         self.policy: Policy = adaptive.policy
-        self.adaptive = AdaptiveCounters(self.policy)
+        self.adaptive = AdaptiveCounters()
         self._tracker: AccessTracker | None = None
         self._held_back = HeldBack(2 * self.pool.max_slots)
         self._auto = AutoMode(self) if adaptive.auto else None
@@ -468,16 +468,7 @@ class KVStore:
         ``bounds`` (bytes) limits the recommended size; by default sizes from 1/8x to 8x are considered.
         """
         self._check_open()
-        if self._tracker is None:
-            raise RuntimeError("advise() needs the access tracker: set adaptive.track = true")
-        return advise(
-            self._tracker.profile(),
-            cost_model(self),
-            self.pool.capacity_bytes,
-            self.policy,
-            bounds=bounds,
-            knee=self.config.adaptive.knee,
-        )
+        return store_advice(self, bounds)[0]
 
     def prefetch(
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
@@ -504,7 +495,7 @@ class KVStore:
             tier.name: {**tier.stats_dict(), "queued": queue.qsize()}
             for tier, queue in zip(self.tiers, self._queues, strict=False)
         }
-        adaptive: dict[str, Any] = self.adaptive.as_dict()
+        adaptive: dict[str, Any] = {"policy": self.policy, **self.adaptive.as_dict()}
         if self._tracker is not None:  # counts only: stats() may run on a scrape thread, the tracker is the loop's
             adaptive |= {"lookups_tracked": self._tracker.references, "sample_rate": self._tracker.sampler.rate}
         return {"store": dict(self._counters), "dram": self.pool.stats(), "adaptive": adaptive, **tiers}

@@ -732,7 +732,6 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_shrinking_gives_the_memory_back():
     layout = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, chunk_tokens=16)  # 128 KiB chunks
     max_bytes = 256 << 20
