@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig
-from kvstore.traces import multi_turn, trace_key
+from kvstore.sizing.traces import multi_turn, trace_key
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)
 CHUNK = LAYOUT.chunk_nbytes

@@ -36,7 +36,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
-from kvstore.devservers import MotoServer, RedisServer, ServerError, environment
+from kvstore.devtools.servers import MotoServer, RedisServer, ServerError, environment
 
 TIERS = ("dram", "disk", "disk-cold", "redis", "s3")
 BUCKET = "kvstore-hf-example"

@@ -4,11 +4,11 @@ from kvstore import KVStore, StoreConfig, KVLayout, chunk_keys
 """
 
 from kvstore.config import ConfigError, StoreConfig
-from kvstore.format import ChunkFormatError
+from kvstore.engine.store import KVStore, StoreClosedError
+from kvstore.engine.sync import SyncKVStore
 from kvstore.keys import ChunkKey, chunk_keys
 from kvstore.layout import KVLayout
-from kvstore.store import KVStore, StoreClosedError
-from kvstore.sync import SyncKVStore
+from kvstore.storage.container import ChunkFormatError
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,7 @@ from pydantic_settings import (
 )
 
 from kvstore.codecs import make_codec
-from kvstore.crypto import parse_key
+from kvstore.storage.crypto import parse_key
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
@@ -197,7 +197,7 @@ class TimeoutConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """A Prometheus exporter for every store in the process (see kvstore.metrics)."""
+    """A Prometheus exporter for every store in the process (see kvstore.engine.metrics)."""
 
     enabled: bool = Field(False, description="serve the Prometheus metrics of every store in this process over HTTP")
     address: str = Field("127.0.0.1", description="interface to listen on; '0.0.0.0' or '::' for every one")
@@ -205,7 +205,7 @@ class MetricsConfig(_Section):
 
 
 class AdaptiveConfig(_Section):
-    """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.adaptive)."""
+    """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.sizing.adaptive)."""
 
     track: bool = Field(
         True, description="measure the hit rate against tier size online (~0.25 us a key, after lookup returns)"

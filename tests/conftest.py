@@ -9,7 +9,7 @@ import pytest
 import torch
 from botocore.config import Config
 
-from kvstore.devservers import (
+from kvstore.devtools.servers import (
     DevServer,
     MotoServer,
     RedisClusterServer,
@@ -41,7 +41,7 @@ def real_kv() -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real servers (kvstore.devservers), one of each per test session. A server that cannot start
+# Real servers (kvstore.devtools.servers), one of each per test session. A server that cannot start
 # fails the tests that need it: remote-tier tests never skip.
 # ---------------------------------------------------------------------------------------------
 TEST_BUCKET = "kvstore-test"

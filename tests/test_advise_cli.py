@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstore.cli import app
-from kvstore.traces import all_unique, write_trace, zipf_prefixes
+from kvstore.sizing.traces import all_unique, write_trace, zipf_prefixes
 
 runner = CliRunner()
 META = {"chunk_tokens": 256, "chunk_bytes": 1 << 20, "namespace": "test"}

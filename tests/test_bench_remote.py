@@ -14,8 +14,8 @@ import re
 import torch
 from typer.testing import CliRunner
 
-from kvstore.bench_remote import REMOTE_CODECS, parse_remotes, run_remote, serve
 from kvstore.cli import app
+from kvstore.devtools.bench_remote import REMOTE_CODECS, parse_remotes, run_remote, serve
 
 runner = CliRunner()
 

@@ -14,7 +14,6 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.buffers import tensor_bytes
 from kvstore.codecs import (
     CODECS,
     DEFAULT_REMOTE_CODEC,
@@ -25,6 +24,7 @@ from kvstore.codecs import (
     make_codec,
     roundtrip_error,
 )
+from kvstore.util.buffers import tensor_bytes
 
 LOSSLESS = [
     "identity",

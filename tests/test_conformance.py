@@ -27,12 +27,12 @@ from kvstore.backends.redis import RedisBackend
 from kvstore.backends.s3 import S3Backend
 from kvstore.codecs import make_codec
 from kvstore.config import StoreConfig
-from kvstore.crypto import ChunkCipher
-from kvstore.format import Segment, checksum, encode_header, parse_header
+from kvstore.engine.store import KVStore
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
-from kvstore.store import KVStore
-from kvstore.tier import ChunkTier
+from kvstore.storage.container import Segment, checksum, encode_header, parse_header
+from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.tier import ChunkTier
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.bfloat16)
 OTHER_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.float16)

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
-from kvstore.format import parse_header
+from kvstore.storage.container import parse_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids  # noqa: E402
@@ -256,7 +256,7 @@ def test_a_batch_is_refused(scenario, tmp_path):
 def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario, tmp_path):
     """Redis stops answering after the lookup found the prefix: the load times out, the request is
     recomputed, and the reply is still exact."""
-    from kvstore.devservers import RedisServer
+    from kvstore.devtools.servers import RedisServer
 
     with RedisServer() as server:
         redis = {"enabled": True, "url": server.url, "codec": "identity"}

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_backend import MemoryBackend
 
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
-from kvstore.buffers import as_bytes_view, tensor_bytes
 from kvstore.codecs import make_codec
-from kvstore.dram import SlabPool
-from kvstore.format import encode_chunk, header_size
+from kvstore.engine.dram import SlabPool
 from kvstore.layout import KVLayout
-from kvstore.tier import ChunkTier
+from kvstore.storage.container import encode_chunk, header_size
+from kvstore.storage.tier import ChunkTier
+from kvstore.testing.memory import MemoryBackend
+from kvstore.util.buffers import as_bytes_view, tensor_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)
@@ -481,10 +481,10 @@ WRITER = textwrap.dedent(
     import asyncio, sys, time
     import torch
     from kvstore.backends.disk import DiskBackend
-    from kvstore.buffers import tensor_bytes
+    from kvstore.util.buffers import tensor_bytes
     from kvstore.codecs import make_codec
     from kvstore.layout import KVLayout
-    from kvstore.format import encode_chunk
+    from kvstore.storage.container import encode_chunk
 
     root, duration, versions = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     keys = sys.argv[4].split(",")

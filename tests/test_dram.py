@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvstore import dram
-from kvstore.dram import SlabPool
+from kvstore.engine import dram
+from kvstore.engine.dram import SlabPool
 from kvstore.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)

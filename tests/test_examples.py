@@ -12,8 +12,8 @@ from pathlib import Path
 
 from conftest import TEST_BUCKET
 
-from kvstore.devservers import RedisServer, SeaweedFSServer
-from kvstore.traces import read_trace
+from kvstore.devtools.servers import RedisServer, SeaweedFSServer
+from kvstore.sizing.traces import read_trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"

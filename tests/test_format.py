@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvstore import ChunkFormatError, KVLayout, chunk_keys
-from kvstore.buffers import tensor_bytes
 from kvstore.codecs import make_codec, roundtrip_error
-from kvstore.format import (
+from kvstore.storage.container import (
     HEADER_ALIGN,
     MAGIC,
     VERSION,
@@ -27,6 +26,7 @@ from kvstore.format import (
     header_size,
     parse_header,
 )
+from kvstore.util.buffers import tensor_bytes
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, chunk_tokens=16)  # 1 KiB per layer
 KEY, OTHER_KEY = chunk_keys(list(range(32)), LAYOUT, "format-tests")

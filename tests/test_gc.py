@@ -24,15 +24,15 @@ import torch
 from typer.testing import CliRunner
 
 from kvstore import KVLayout, KVStore, StoreConfig
-from kvstore.admin import Retention, namespace_filter, plan_gc, run_gc, tool_backends
-from kvstore.admin_cli import EXIT_DAMAGED, EXIT_DECLINED, EXIT_OK, EXIT_USAGE
 from kvstore.backends.disk import DiskBackend
 from kvstore.cli import app
+from kvstore.cli.admin import EXIT_DAMAGED, EXIT_DECLINED, EXIT_OK, EXIT_USAGE
+from kvstore.cli.inventory import Retention, namespace_filter, plan_gc, run_gc, tool_backends
 from kvstore.codecs import make_codec
 from kvstore.config import TimeoutConfig
+from kvstore.engine.store import remote_backend
 from kvstore.keys import namespace_dir
-from kvstore.store import remote_backend
-from kvstore.tier import ChunkTier
+from kvstore.storage.tier import ChunkTier
 from tests.conftest import TEST_BUCKET, raw_s3_client
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # ~5 KB objects (a 4 KiB header)
@@ -530,7 +530,7 @@ def test_verify_spares_a_damaged_chunk_an_engine_rewrote_meanwhile(setup: Setup,
     keys = random_keys(12)
 
     async def scenario(tier: str) -> tuple[int, int]:
-        from kvstore.admin import list_objects, verify_tier
+        from kvstore.cli.inventory import list_objects, verify_tier
 
         async with tool_backends(setup.config, [tier]) as backends:
             objects = await list_objects(backends[tier], None)

@@ -15,8 +15,9 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore import ConfigError, KVLayout, KVStore, StoreConfig, chunk_keys, metrics
-from kvstore.stats import LATENCY_BUCKETS, TierStats
+from kvstore import ConfigError, KVLayout, KVStore, StoreConfig, chunk_keys
+from kvstore.engine import metrics
+from kvstore.storage.stats import LATENCY_BUCKETS, TierStats
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32)
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -1,4 +1,4 @@
-"""The online miss-ratio curve (kvstore.mrc) against exact LRU simulations of the same synthetic traffic."""
+"""The online miss-ratio curve (kvstore.sizing.mrc) against exact LRU simulations of the same synthetic traffic."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvstore import traces
-from kvstore.mrc import ReuseProfile, ReuseSampler
+from kvstore.sizing import traces
+from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
 
 WORKLOADS: dict[str, Callable[[], list[np.ndarray]]] = {
     "zipf prefixes": lambda: traces.zipf_prefixes(20_000, seed=1),

@@ -13,9 +13,9 @@ import torch
 from conftest import TEST_BUCKET
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
-from kvstore.buffers import copy_between
-from kvstore.format import parse_header
-from kvstore.prefetch import PrefetchError
+from kvstore.engine.prefetch import PrefetchError
+from kvstore.storage.container import parse_header
+from kvstore.util.buffers import copy_between
 
 LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.bfloat16)
 

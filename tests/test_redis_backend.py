@@ -3,7 +3,7 @@
 The put/get/exists/delete/list conformance suite shared by every backend lives elsewhere; here:
 TTLs, byte ranges, pipelines spread over cluster nodes, password masking, reconnects, bounded
 timeouts on a frozen server, and a cluster losing and regaining a node. Servers come from
-kvstore.devservers; a server that cannot start fails the test (it is never skipped).
+kvstore.devtools.servers; a server that cannot start fails the test (it is never skipped).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.backends.redis import RedisBackend, mask_url
-from kvstore.buffers import Buffer
-from kvstore.devservers import RedisClusterServer, RedisServer
+from kvstore.devtools.servers import RedisClusterServer, RedisServer
+from kvstore.util.buffers import Buffer
 
 TTL = 100.0
 FAST = {"socket_timeout": 0.5, "connect_timeout": 0.25}  # each call returns or raises within 1.0 s

@@ -23,7 +23,7 @@ from aiohttp import web
 from botocore.exceptions import BotoCoreError, ClientError, ReadTimeoutError
 
 from kvstore.backends.s3 import S3Backend, S3BackendError
-from kvstore.devservers import MotoServer, S3Server, SeaweedFSServer
+from kvstore.devtools.servers import MotoServer, S3Server, SeaweedFSServer
 
 BUCKET = "kvstore-test"
 SLOW_DOWN = (

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_backend import MemoryBackend
 
 from kvstore import (
     KVLayout,
@@ -25,10 +24,11 @@ from kvstore import (
 )
 from kvstore.backends.base import ByteRange
 from kvstore.backends.disk import DiskBackend
-from kvstore.buffers import Buffer
 from kvstore.codecs import make_codec
-from kvstore.threads import in_thread
-from kvstore.tier import ChunkTier
+from kvstore.storage.tier import ChunkTier
+from kvstore.testing.memory import MemoryBackend
+from kvstore.util.buffers import Buffer
+from kvstore.util.threads import in_thread
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32)
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""kvstore.traces: trace files, synthetic workloads with known behaviour, and the exact LRU reference."""
+"""kvstore.sizing.traces: trace files, synthetic workloads with known behaviour, and the exact LRU reference."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.traces import (
+from kvstore.sizing.traces import (
     TRACE_DTYPE,
     TRACE_MAGIC,
     TraceFormatError,

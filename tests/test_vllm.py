@@ -202,7 +202,7 @@ def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python,
 def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(vllm_python, tiny_llama, tmp_path):
     """Redis is frozen (SIGSTOP) in front of a fresh engine: the lookup and the writes time out,
     the prompt is computed, the output is the same, and the engine shuts down."""
-    from kvstore.devservers import RedisServer
+    from kvstore.devtools.servers import RedisServer
 
     with RedisServer() as server:
         redis = {"enabled": True, "url": server.url, "codec": "lz4"}

@@ -1,7 +1,7 @@
 """The storage interface every secondary tier implements (modelled on zarr-python v3's ``Store``).
 
 A backend stores opaque objects under chunk keys. It knows nothing of layouts or codecs: the
-:class:`kvstore.tier.ChunkTier` above it encodes chunks into containers and checks them on
+:class:`kvstore.storage.tier.ChunkTier` above it encodes chunks into containers and checks them on
 the way back. Methods are async; blocking work goes to threads via ``in_thread``.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 ByteRange = tuple[int, int]
 """Half-open ``(start, end)`` byte range of an object."""

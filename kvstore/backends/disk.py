@@ -27,9 +27,9 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from kvstore.backends.base import LIST_PAGE, ByteRange, LocalBackend, Progress, RemoveReport, StoredObject
-from kvstore.buffers import Buffer, as_bytes_view
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
-from kvstore.threads import in_thread
+from kvstore.util.buffers import Buffer, as_bytes_view
+from kvstore.util.threads import in_thread
 
 log = logging.getLogger("kvstore.disk")
 

@@ -43,8 +43,8 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.backends.base import LIST_PAGE, Backend, ByteRange, Progress, RemoveReport, StoredObject
-from kvstore.buffers import Buffer, as_bytes_view
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 log = logging.getLogger("kvstore.redis")
 T = TypeVar("T")

@@ -25,8 +25,8 @@ from aiobotocore.session import AioSession
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
 from kvstore.backends.base import Backend, ByteRange, Progress, RemoveReport, StoredObject
-from kvstore.buffers import Buffer, as_bytes_view
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 log = logging.getLogger("kvstore.s3")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.buffers import Buffer, as_bytes_view
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec, roundtrip_error
 from kvstore.codecs.bytesplit import ByteSplitCodec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.codecs.lz4 import Lz4Codec
 from kvstore.codecs.zstd import ZstdCodec
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 CODECS: dict[str, type[Codec]] = {
     codec.name: codec for codec in (IdentityCodec, ZstdCodec, Lz4Codec, ByteSplitCodec, Fp8Codec)

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 
 @dataclass(frozen=True)

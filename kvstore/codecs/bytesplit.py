@@ -12,9 +12,9 @@ import struct
 
 import numpy as np
 
-from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
 from kvstore.codecs.zstd import ZstdContexts, zstd_decompress
+from kvstore.util.buffers import Buffer
 
 _PREFIX = struct.Struct("<I")  # length of the compressed high plane
 

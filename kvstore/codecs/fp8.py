@@ -13,8 +13,8 @@ import struct
 
 import torch
 
-from kvstore.buffers import Buffer, as_bytes_view, tensor_view
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.util.buffers import Buffer, as_bytes_view, tensor_view
 
 _E4M3_MAX = 448.0
 _PREFIX = struct.Struct("<I")  # number of float32 scales that follow

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.util.buffers import Buffer
 
 
 class IdentityCodec(Codec):

@@ -6,8 +6,8 @@ import struct
 
 import lz4.block
 
-from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.util.buffers import Buffer
 
 
 class Lz4Codec(Codec):

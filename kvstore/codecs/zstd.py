@@ -6,8 +6,8 @@ import threading
 
 import zstandard
 
-from kvstore.buffers import Buffer
 from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.util.buffers import Buffer
 
 MIN_LEVEL, MAX_LEVEL = -7, 22
 

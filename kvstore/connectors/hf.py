@@ -37,10 +37,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "kvstore.connectors.hf needs Hugging Face transformers >= 5.0: pip install 'kvstore[hf]'"
     ) from exc
 
+from kvstore.engine.prefetch import PrefetchError
+from kvstore.engine.sync import SyncKVStore, SyncLayerStream
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.prefetch import PrefetchError
-from kvstore.sync import SyncKVStore, SyncLayerStream
 
 log = logging.getLogger("kvstore.connectors.hf")
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.config import ConfigError, StoreConfig
+from kvstore.engine.sync import SyncKVStore
 from kvstore.layout import KVLayout
-from kvstore.sync import SyncKVStore
 
 log = logging.getLogger("kvstore.connectors.vllm")
 

@@ -38,10 +38,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 from kvstore.config import ConfigError
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer, paged_format
 from kvstore.connectors.vllm._common import read_options, shared_stores
+from kvstore.engine.store import KVStore
+from kvstore.engine.sync import SyncLayerStream
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.store import KVStore
-from kvstore.sync import SyncLayerStream
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from kvstore.bench import LAYOUTS, _sample_chunks, parse_names
 from kvstore.config import StoreConfig
-from kvstore.devservers import MotoServer, RedisServer, S3Server, environment
+from kvstore.devtools.bench import LAYOUTS, _sample_chunks, parse_names
+from kvstore.devtools.servers import MotoServer, RedisServer, S3Server, environment
+from kvstore.engine.sync import SyncKVStore
 from kvstore.layout import KVLayout
-from kvstore.sync import SyncKVStore
 
 TIERS = ("dram", "disk", "redis", "s3")
 COMPUTE_FACTORS = (1.0, 2.0)

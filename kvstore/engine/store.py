@@ -21,20 +21,20 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvstore import metrics
-from kvstore.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker, store_advice
-from kvstore.advice import Advice, Policy
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
 from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
-from kvstore.crypto import ChunkCipher
-from kvstore.dram import SlabPool
+from kvstore.engine import metrics
+from kvstore.engine.dram import SlabPool
+from kvstore.engine.prefetch import LayerStream
 from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
-from kvstore.prefetch import LayerStream
-from kvstore.stats import Histogram, StoreLatency
-from kvstore.tier import ChunkTier
+from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker, store_advice
+from kvstore.sizing.advice import Advice, Policy
+from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.stats import Histogram, StoreLatency
+from kvstore.storage.tier import ChunkTier
 
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
@@ -477,7 +477,7 @@ class KVStore:
 
         ``async for layer, kv in store.prefetch(keys[:n])``: ``kv`` is layer ``layer`` of all
         chunks, ``[planes, n * chunk_tokens, heads, head_dim]`` (into ``outs[layer]`` if given).
-        A layer that cannot be loaded raises :class:`kvstore.prefetch.PrefetchError`.
+        A layer that cannot be loaded raises :class:`kvstore.engine.prefetch.PrefetchError`.
         """
         self._check_open()
         for key in keys:

@@ -15,10 +15,10 @@ from concurrent.futures import Executor
 from typing import TypeVar
 
 from kvstore.backends.base import Backend, ChunkReader, LocalBackend
-from kvstore.buffers import Buffer
 from kvstore.codecs import CodecPipeline
-from kvstore.crypto import ChunkCipher
-from kvstore.format import (
+from kvstore.keys import ChunkKey
+from kvstore.layout import KVLayout
+from kvstore.storage.container import (
     ChunkFormatError,
     ChunkHeader,
     ForeignChunkError,
@@ -31,10 +31,10 @@ from kvstore.format import (
     parse_header,
     verify_segment,
 )
-from kvstore.keys import ChunkKey
-from kvstore.layout import KVLayout
-from kvstore.stats import TierLatency, TierStats
-from kvstore.threads import in_thread
+from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.stats import TierLatency, TierStats
+from kvstore.util.buffers import Buffer
+from kvstore.util.threads import in_thread
 
 log = logging.getLogger("kvstore.tier")
 T = TypeVar("T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 from kvstore.backends.base import Backend, ByteRange
-from kvstore.buffers import Buffer, as_bytes_view
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 
 class MemoryBackend(Backend):

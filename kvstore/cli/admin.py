@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstore import admin
 from kvstore.backends.base import RemoveReport
+from kvstore.cli import inventory as admin
 from kvstore.config import ConfigError, StoreConfig, human_bytes
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_DAMAGED, EXIT_DECLINED = 0, 1, 2, 3, 4

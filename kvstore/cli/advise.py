@@ -4,9 +4,9 @@ The trace (``[adaptive] trace = ...`` records one) is fed in order to the same r
 store runs online, so the offline answer is the one auto mode would reach; ``--exact`` times every reuse
 instead, for a curve without sampling error on traces small enough to afford it. Costs are in seconds
 per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
-baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.advice`).
+baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.sizing.advice`).
 
-Exit codes as in :mod:`kvstore.admin_cli`: 0 done; 2 bad usage, configuration or trace file.
+Exit codes as in :mod:`kvstore.cli.admin`: 0 done; 2 bad usage, configuration or trace file.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from kvstore.admin_cli import EXIT_USAGE, ConfigOption, console, errors, load_config, parse_size
-from kvstore.advice import (
+from kvstore.cli.admin import EXIT_USAGE, ConfigOption, console, errors, load_config, parse_size
+from kvstore.config import human_bytes
+from kvstore.sizing.advice import (
     DEFAULT_BANDWIDTH,
     POLICIES,
     UNBOUNDED,
@@ -32,9 +33,8 @@ from kvstore.advice import (
     TierCost,
     advise,
 )
-from kvstore.config import human_bytes
-from kvstore.mrc import ReuseProfile, ReuseSampler
-from kvstore.traces import (
+from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
+from kvstore.sizing.traces import (
     Trace,
     TraceFormatError,
     all_unique,
@@ -64,7 +64,7 @@ def fail(message: str) -> typer.Exit:
 
 
 def synthetic_trace(name: str, requests: int) -> Trace:
-    """A workload from :mod:`kvstore.traces`, as if read from a file: for demos and the README."""
+    """A workload from :mod:`kvstore.sizing.traces`, as if read from a file: for demos and the README."""
     if name not in SYNTHETIC:
         raise fail(f"unknown synthetic workload {name!r}; choose from {', '.join(SYNTHETIC)} (--synthetic)")
     if name == "zipf":

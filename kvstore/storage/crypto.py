@@ -20,7 +20,7 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstore.buffers import Buffer
+from kvstore.util.buffers import Buffer
 
 NONCE_BYTES = 12
 TAG_BYTES = 16

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvstore.config import human_bytes
-from kvstore.mrc import ReuseProfile
+from kvstore.sizing.mrc import ReuseProfile
 
 Policy = Literal["write-through", "second-sighting"]
 POLICIES: tuple[Policy, ...] = ("write-through", "second-sighting")

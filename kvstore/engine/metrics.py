@@ -2,7 +2,7 @@
 
 Nothing is counted twice: at scrape time :class:`KVStoreCollector` reads each store's own
 counters (``KVStore.stats()``, what the CLI and the tests read too) and its latency histograms
-(:class:`kvstore.stats.Histogram`, fed where the store waits for a tier). Stores register on
+(:class:`kvstore.storage.stats.Histogram`, fed where the store waits for a tier). Stores register on
 open and unregister on close, held weakly so a store never closed is not kept alive from here.
 
 Prometheus wants one series per label set, so stores of one namespace in one process (say an
@@ -29,10 +29,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvstore.config import ConfigError
-from kvstore.stats import LATENCY_BUCKETS, Histogram
+from kvstore.storage.stats import LATENCY_BUCKETS, Histogram
 
 if TYPE_CHECKING:
-    from kvstore.store import KVStore
+    from kvstore.engine.store import KVStore
 
 log = logging.getLogger("kvstore.metrics")
 F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
@@ -73,7 +73,7 @@ GAUGES = {
     "kvstore_tier_queue_depth": ("writes waiting in the tier's queue (queue_depth at most)", NS_TIER),
     "kvstore_write_policy_second_sighting": ("1 while the write policy is second-sighting, else 0", NS),
 }
-# stats()["adaptive"] key -> counter name and help (adaptive sizing: see kvstore.adaptive).
+# stats()["adaptive"] key -> counter name and help (adaptive sizing: see kvstore.sizing.adaptive).
 ADAPTIVE_COUNTERS = {
     "decisions": ("kvstore_auto_decisions", "sizing decisions auto mode made"),
     "resizes": ("kvstore_auto_resizes", "DRAM resizes auto mode made"),

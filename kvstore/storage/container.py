@@ -14,7 +14,7 @@ Layout (little-endian)::
 Segment offsets count from the end of the header, so layer ``i`` is one byte-range read
 (``header_len + offset``) and decodes alone: remote tiers can stream layer by layer. The
 checksum covers the stored bytes, so corruption is caught before a decoder sees it. With
-encryption (:mod:`kvstore.crypto`) each stored segment is an AES-GCM box of the encoded layer.
+encryption (:mod:`kvstore.storage.crypto`) each stored segment is an AES-GCM box of the encoded layer.
 Stored objects are data, never code: nothing here unpickles.
 """
 
@@ -28,7 +28,6 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvstore.buffers import Buffer, as_bytes_view
 from kvstore.codecs import (
     MAX_CODEC_NAME,
     CodecError,
@@ -36,9 +35,10 @@ from kvstore.codecs import (
     SegmentSpec,
     make_codec,
 )
-from kvstore.crypto import KEY_ID_BYTES, ChunkCipher, DecryptionError, associated_data
 from kvstore.keys import ChunkKey, key_to_bytes
 from kvstore.layout import KVLayout
+from kvstore.storage.crypto import KEY_ID_BYTES, ChunkCipher, DecryptionError, associated_data
+from kvstore.util.buffers import Buffer, as_bytes_view
 
 MAGIC = b"KVSTCHNK"
 VERSION = 1

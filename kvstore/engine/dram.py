@@ -29,9 +29,9 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from kvstore.buffers import tensor_bytes
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
+from kvstore.util.buffers import tensor_bytes
 
 log = logging.getLogger("kvstore.dram")
 

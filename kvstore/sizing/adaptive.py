@@ -2,7 +2,7 @@
 
 The lookup path only appends the keys to a list (~0.2 us). They are processed in batches of a few
 thousand, right after the lookup that filled a batch returns: hashed, fed to the reuse-time
-sampler (:mod:`kvstore.mrc`, which also counts sightings for the second-sighting write policy)
+sampler (:mod:`kvstore.sizing.mrc`, which also counts sightings for the second-sighting write policy)
 and, when asked, appended to a trace file that ``kvstore advise`` reads. Everything here runs on
 the store's event loop; nothing is shared with other threads.
 """
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvstore.advice import DEFAULT_BANDWIDTH, UNBOUNDED, Advice, CostModel, TierCost, advise
 from kvstore.config import ConfigError
 from kvstore.keys import ChunkKey, namespace_dir
-from kvstore.mrc import ReuseProfile, ReuseSampler
-from kvstore.traces import TraceWriter, key_ids
+from kvstore.sizing.advice import DEFAULT_BANDWIDTH, UNBOUNDED, Advice, CostModel, TierCost, advise
+from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
+from kvstore.sizing.traces import TraceWriter, key_ids
 
 if TYPE_CHECKING:
-    from kvstore.store import KVStore
+    from kvstore.engine.store import KVStore
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys

@@ -3,7 +3,7 @@
 The tools work on what is stored, in every namespace, without a model layout: each backend
 lists its chunk objects (:meth:`Backend.scan`) with their size and the time of their last write
 or access, and removes objects only if they are still as listed (:meth:`Backend.remove_unchanged`),
-so running them beside live engines is safe. Printing lives in :mod:`kvstore.admin_cli`.
+so running them beside live engines is safe. Printing lives in :mod:`kvstore.cli.admin`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from kvstore.backends.base import Backend, Progress, RemoveReport, StoredObject
 from kvstore.backends.disk import DiskBackend
 from kvstore.config import ConfigError, StoreConfig
-from kvstore.format import ChunkFormatError, check_stored_chunk
 from kvstore.keys import namespace_dir
+from kvstore.storage.container import ChunkFormatError, check_stored_chunk
 
 TIERS = ("disk", "redis", "s3")
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (
@@ -46,7 +46,7 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
     The disk backend is not opened: opening scans for its LRU index and evicts to its budget,
     which is an engine's business, not a listing's. A bucket is never created here.
     """
-    from kvstore.store import remote_backend
+    from kvstore.engine.store import remote_backend
 
     names = list(tiers) if tiers else enabled_tiers(config)
     for name in names:

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from kvstore.backends.disk import DiskBackend
-from kvstore.buffers import Buffer
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec, roundtrip_error
 from kvstore.config import StoreConfig
+from kvstore.engine.store import WRITE_BATCH, KVStore
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
-from kvstore.store import WRITE_BATCH, KVStore
-from kvstore.tier import ChunkTier
+from kvstore.storage.tier import ChunkTier
+from kvstore.util.buffers import Buffer
 
 LAYOUTS: dict[str, KVLayout] = {
     "SmolLM2-135M": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16),

@@ -1,6 +1,6 @@
 """Replays synthetic traffic into real stores: fixed configurations against auto mode, and the tracker's cost.
 
-``python -m kvstore.bench_adaptive`` prints, per workload:
+``python -m kvstore.devtools.bench_adaptive`` prints, per workload:
 the prefix hit rate, the DRAM hit rate and the bytes written below DRAM for each fixed DRAM
 size under write-through and second-sighting, then for auto mode; and the time the tracking
 adds to ``lookup`` against the same store with tracking off.
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore import traces
 from kvstore.config import StoreConfig
+from kvstore.engine.store import KVStore
 from kvstore.layout import KVLayout
-from kvstore.store import KVStore
+from kvstore.sizing import traces
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # 1 KiB chunks: traffic, not bytes
 

@@ -1,6 +1,6 @@
 """The ``kvstore`` command line: ``demo``, ``bench``, ``dev-servers``, ``version``, and the operator's
-tools ``ls``, ``stats``, ``gc`` and ``verify`` (in :mod:`kvstore.admin_cli`), and ``advise``
-(in :mod:`kvstore.advise_cli`)."""
+tools ``ls``, ``stats``, ``gc`` and ``verify`` (in :mod:`kvstore.cli.admin`), and ``advise``
+(in :mod:`kvstore.cli.advise`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvstore import admin_cli, advise_cli
+from kvstore.cli import admin as admin_cli
+from kvstore.cli import advise as advise_cli
 
 app = typer.Typer(
     help="kvstore: a tiered KV-cache store for LLM inference engines.",
@@ -51,7 +52,7 @@ def demo(
     ] = None,
 ) -> None:
     """The full cascade on the embedded default (DRAM + local disk): write, restart, read back."""
-    from kvstore.demo import run_demo
+    from kvstore.devtools.demo import run_demo
 
     ok = asyncio.run(run_demo(console, prompts=prompts, tokens=tokens, dram=dram, directory=directory))
     raise typer.Exit(0 if ok else 1)
@@ -89,7 +90,7 @@ def bench(
 
 def _bench_prefetch(tiers: str, repeats: int) -> None:
     """Time to first layer and overlap efficiency of layer streams against simulated compute."""
-    from kvstore import bench_prefetch as p
+    from kvstore.devtools import bench_prefetch as p
 
     try:
         names = p.parse_tiers(tiers)
@@ -116,7 +117,7 @@ def _bench_local(
     mib: int, repeats: int, directory: Path | None, fsync: bool, codecs: bool, sample: Path | None
 ) -> None:
     """DRAM and disk against memcpy and raw file I/O, then codecs in one thread."""
-    from kvstore import bench as b
+    from kvstore.devtools import bench as b
 
     rows, _ = asyncio.run(b.run(mib, repeats, directory, fsync))
     table = Table(title=f"kvstore bench: {mib} MiB per row, best of {repeats}, fsync={'on' if fsync else 'off'}")
@@ -159,8 +160,8 @@ def _bench_local(
 def _remote_names(remote: str, layouts: list[str] | None) -> list[str]:
     if not remote:
         return []
-    from kvstore import bench as b
-    from kvstore import bench_remote as r
+    from kvstore.devtools import bench as b
+    from kvstore.devtools import bench_remote as r
 
     try:
         for layout in layouts or []:
@@ -181,9 +182,9 @@ def _bench_remote(
     codecs: bool,
 ) -> None:
     """The remote tiers on dev servers started for the run; exits 1 when a server cannot start."""
-    from kvstore import bench as b
-    from kvstore import bench_remote as r
-    from kvstore.devservers import ServerError
+    from kvstore.devtools import bench as b
+    from kvstore.devtools import bench_remote as r
+    from kvstore.devtools.servers import ServerError
 
     path = (sample or b.default_sample_path()) if codecs else None
     if codecs and path is None:
@@ -210,13 +211,13 @@ def dev_servers(
 ) -> None:
     """Real S3 and Redis servers on 127.0.0.1, no Docker: prints the settings for kvstore; Ctrl-C stops them.
 
-    The same servers the tests use (kvstore.devservers): moto or SeaweedFS, and redis-server.
+    The same servers the tests use (kvstore.devtools.servers): moto or SeaweedFS, and redis-server.
     """
     import os
     import signal
     from contextlib import ExitStack
 
-    from kvstore.devservers import MotoServer, RedisServer, SeaweedFSServer, ServerError
+    from kvstore.devtools.servers import MotoServer, RedisServer, SeaweedFSServer, ServerError
 
     if s3 not in ("moto", "seaweedfs", "none"):
         raise typer.BadParameter("use moto, seaweedfs or none", param_hint="--s3")

@@ -10,7 +10,7 @@ once up front) with the same number of requests in flight, run alternately, best
 
 Then every codec through the tier on real KV (the SmolLM2 sample): compression ratio and
 logical (uncompressed) MB/s for put and get. The servers are real processes on this machine
-(:mod:`kvstore.devservers`), started here and stopped at the end.
+(:mod:`kvstore.devtools.servers`), started here and stopped at the end.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import torch
 from rich.table import Table
 
 from kvstore.backends.base import Backend
-from kvstore.bench import LAYOUTS, Row, _best_pair, _sample_chunks, parse_names
-from kvstore.buffers import tensor_bytes
 from kvstore.codecs import make_codec
-from kvstore.devservers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
-from kvstore.format import encode_chunk
+from kvstore.devtools.bench import LAYOUTS, Row, _best_pair, _sample_chunks, parse_names
+from kvstore.devtools.servers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
-from kvstore.tier import ChunkTier
+from kvstore.storage.container import encode_chunk
+from kvstore.storage.tier import ChunkTier
+from kvstore.util.buffers import tensor_bytes
 
 REMOTES = ("redis", "moto", "seaweedfs")
 CONCURRENCY = 4  # requests in flight, kvstore and raw client alike (the store's io_threads default)

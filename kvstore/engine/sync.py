@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvstore.advice import Advice
 from kvstore.config import StoreConfig
+from kvstore.engine.prefetch import LayerStream
+from kvstore.engine.store import KVStore, StoreClosedError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.prefetch import LayerStream
-from kvstore.store import KVStore, StoreClosedError
+from kvstore.sizing.advice import Advice
 
 T = TypeVar("T")
 
@@ -109,7 +109,7 @@ class SyncKVStore:
 
 
 class SyncLayerStream:
-    """A :class:`~kvstore.prefetch.LayerStream` driven from an engine thread; close it when done."""
+    """A :class:`~kvstore.engine.prefetch.LayerStream` driven from an engine thread; close it when done."""
 
     def __init__(self, owner: SyncKVStore, stream: LayerStream) -> None:
         self._owner, self._stream = owner, stream

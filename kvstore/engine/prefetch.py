@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.buffers import copy_between, tensor_bytes
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.threads import in_thread
-from kvstore.tier import LayerReader
+from kvstore.storage.tier import LayerReader
+from kvstore.util.buffers import copy_between, tensor_bytes
+from kvstore.util.threads import in_thread
 
 if TYPE_CHECKING:
-    from kvstore.store import KVStore
+    from kvstore.engine.store import KVStore
 
 log = logging.getLogger("kvstore.prefetch")
 

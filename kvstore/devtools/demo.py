@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.config import StoreConfig
+from kvstore.engine.store import KVStore
 from kvstore.layout import KVLayout
-from kvstore.store import KVStore
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # SmolLM2-135M
 NAMESPACE = "demo/SmolLM2-135M"

@@ -1,0 +1,1 @@
+"""For backend authors and tests: an in-memory backend and the backend conformance suite."""
