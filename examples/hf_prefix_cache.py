@@ -36,7 +36,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
-from kvstore.devtools.servers import MotoServer, RedisServer, ServerError, environment
+from kvstore.devtools.servers import MotoServer, RedisServer, environment
+from kvstore.errors import ServerError
 
 TIERS = ("dram", "disk", "disk-cold", "redis", "s3")
 BUCKET = "kvstore-hf-example"

@@ -1,14 +1,32 @@
 """kvstore: a tiered KV-cache store for LLM inference engines.
 
 from kvstore import KVStore, StoreConfig, KVLayout, chunk_keys
+
+The package, from the bottom up (each layer imports only the ones below it):
+
+- ``errors``, ``layout``, ``keys``, ``config`` and ``util/``: what every layer shares;
+- ``codecs/``: per-layer compression stages and the pipelines made of them;
+- ``backends/``: where stored objects live (disk, Redis, S3), behind one small async interface;
+- ``storage/``: the chunk container, encryption, and the tier that checks every byte it reads;
+- ``sizing/``: miss-ratio curves, the cost model, advice and auto mode;
+- ``engine/``: the store itself (DRAM pool, cascade, layer streams, sync facade, metrics);
+- ``connectors/``: vLLM and transformers; ``cli/``: the ``kvstore`` command;
+  ``devtools/``: benchmarks, demo, dev servers; ``testing/``: the backend conformance suite.
 """
 
-from kvstore.config import ConfigError, StoreConfig
-from kvstore.engine.store import KVStore, StoreClosedError
-from kvstore.engine.sync import SyncKVStore
+from kvstore.config import StoreConfig
+from kvstore.engine.store import KVStore
+from kvstore.engine.sync import SyncKVStore, SyncLayerStream
+from kvstore.errors import (
+    ChunkFormatError,
+    ConfigError,
+    KVStoreError,
+    PrefetchError,
+    StoreClosedError,
+    TierTimeout,
+)
 from kvstore.keys import ChunkKey, chunk_keys
 from kvstore.layout import KVLayout
-from kvstore.storage.container import ChunkFormatError
 
 __version__ = "0.1.0"
 
@@ -18,8 +36,12 @@ __all__ = [
     "ConfigError",
     "KVLayout",
     "KVStore",
+    "KVStoreError",
+    "PrefetchError",
     "StoreClosedError",
     "StoreConfig",
     "SyncKVStore",
+    "SyncLayerStream",
+    "TierTimeout",
     "chunk_keys",
 ]

@@ -36,15 +36,12 @@ from pydantic_settings import (
 )
 
 from kvstore.codecs import make_codec
+from kvstore.errors import ConfigError
 from kvstore.storage.crypto import parse_key
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
 _toml_file: ContextVar[Path | None] = ContextVar("kvstore_toml_file", default=None)
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or invalid; the message says which and how to fix it."""
 
 
 _SIZE_TEXT = re.compile(r"\s*\d*\.?\d+\s*[A-Za-z]*\s*")

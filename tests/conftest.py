@@ -9,15 +9,8 @@ import pytest
 import torch
 from botocore.config import Config
 
-from kvstore.devtools.servers import (
-    DevServer,
-    MotoServer,
-    RedisClusterServer,
-    RedisServer,
-    S3Server,
-    SeaweedFSServer,
-    ServerError,
-)
+from kvstore.devtools.servers import DevServer, MotoServer, RedisClusterServer, RedisServer, S3Server, SeaweedFSServer
+from kvstore.errors import ServerError
 
 # ---------------------------------------------------------------------------------------------
 # Real KV sample for codec and container tests (test_codecs.py, test_format.py).

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.config import ConfigError, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.devtools.bench_adaptive import LAYOUT, ReplayResult, compare_one, lookup_overhead, replay, store_config
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore
+from kvstore.errors import ConfigError
 from kvstore.sizing import traces
 
 CHUNK = LAYOUT.chunk_nbytes

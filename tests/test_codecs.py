@@ -18,12 +18,12 @@ from kvstore.codecs import (
     CODECS,
     DEFAULT_REMOTE_CODEC,
     MAX_CODEC_NAME,
-    CodecError,
     CodecPipeline,
     SegmentSpec,
     make_codec,
     roundtrip_error,
 )
+from kvstore.errors import CodecError
 from kvstore.util.buffers import tensor_bytes
 
 LOSSLESS = [

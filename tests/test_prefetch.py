@@ -13,7 +13,7 @@ import torch
 from conftest import TEST_BUCKET
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
-from kvstore.engine.prefetch import PrefetchError
+from kvstore.errors import PrefetchError
 from kvstore.storage.container import parse_header
 from kvstore.util.buffers import copy_between
 

@@ -22,8 +22,9 @@ import pytest
 from aiohttp import web
 from botocore.exceptions import BotoCoreError, ClientError, ReadTimeoutError
 
-from kvstore.backends.s3 import S3Backend, S3BackendError
+from kvstore.backends.s3 import S3Backend
 from kvstore.devtools.servers import MotoServer, S3Server, SeaweedFSServer
+from kvstore.errors import S3BackendError
 
 BUCKET = "kvstore-test"
 SLOW_DOWN = (

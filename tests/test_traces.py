@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.errors import TraceFormatError
 from kvstore.sizing.traces import (
     TRACE_DTYPE,
     TRACE_MAGIC,
-    TraceFormatError,
     TraceWriter,
     all_unique,
     chain,

@@ -25,6 +25,7 @@ from aiobotocore.session import AioSession
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
 from kvstore.backends.base import Backend, ByteRange, Progress, RemoveReport, StoredObject
+from kvstore.errors import S3BackendError
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 
@@ -35,10 +36,6 @@ _MIN_PART = 5 << 20  # S3's smallest allowed part (all but the last)
 _MAX_PARTS = 10_000
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _COUNTERS = ("requests", "retries", "bytes_uploaded", "bytes_downloaded", "multipart_uploads")
-
-
-class S3BackendError(RuntimeError):
-    """The bucket cannot be used (absent, forbidden, unreachable); the message names bucket and endpoint."""
 
 
 class S3Backend(Backend):

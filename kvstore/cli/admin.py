@@ -25,7 +25,8 @@ from rich.table import Table
 
 from kvstore.backends.base import RemoveReport
 from kvstore.cli import inventory as admin
-from kvstore.config import ConfigError, StoreConfig, human_bytes
+from kvstore.config import StoreConfig, human_bytes
+from kvstore.errors import ConfigError
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_DAMAGED, EXIT_DECLINED = 0, 1, 2, 3, 4
 T = TypeVar("T")

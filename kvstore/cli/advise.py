@@ -23,6 +23,7 @@ from rich.table import Table
 
 from kvstore.cli.admin import EXIT_USAGE, ConfigOption, console, errors, load_config, parse_size
 from kvstore.config import human_bytes
+from kvstore.errors import TraceFormatError
 from kvstore.sizing.advice import (
     DEFAULT_BANDWIDTH,
     POLICIES,
@@ -36,7 +37,6 @@ from kvstore.sizing.advice import (
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
 from kvstore.sizing.traces import (
     Trace,
-    TraceFormatError,
     all_unique,
     flatten,
     multi_turn,

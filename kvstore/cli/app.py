@@ -184,7 +184,7 @@ def _bench_remote(
     """The remote tiers on dev servers started for the run; exits 1 when a server cannot start."""
     from kvstore.devtools import bench as b
     from kvstore.devtools import bench_remote as r
-    from kvstore.devtools.servers import ServerError
+    from kvstore.errors import ServerError
 
     path = (sample or b.default_sample_path()) if codecs else None
     if codecs and path is None:
@@ -217,7 +217,8 @@ def dev_servers(
     import signal
     from contextlib import ExitStack
 
-    from kvstore.devtools.servers import MotoServer, RedisServer, SeaweedFSServer, ServerError
+    from kvstore.devtools.servers import MotoServer, RedisServer, SeaweedFSServer
+    from kvstore.errors import ServerError
 
     if s3 not in ("moto", "seaweedfs", "none"):
         raise typer.BadParameter("use moto, seaweedfs or none", param_hint="--s3")

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from kvstore.backends.base import Backend, Progress, RemoveReport, StoredObject
 from kvstore.backends.disk import DiskBackend
-from kvstore.config import ConfigError, StoreConfig
+from kvstore.config import StoreConfig
+from kvstore.errors import ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
-from kvstore.storage.container import ChunkFormatError, check_stored_chunk
+from kvstore.storage.container import check_stored_chunk
 
 TIERS = ("disk", "redis", "s3")
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.codecs.base import Codec, CodecError, SegmentSpec, roundtrip_error
+from kvstore.codecs.base import Codec, SegmentSpec, roundtrip_error
 from kvstore.codecs.bytesplit import ByteSplitCodec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.codecs.lz4 import Lz4Codec
 from kvstore.codecs.zstd import ZstdCodec
+from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer, as_bytes_view
 
 CODECS: dict[str, type[Codec]] = {

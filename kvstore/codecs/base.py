@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer, as_bytes_view
 
 
@@ -37,10 +38,6 @@ class SegmentSpec:
     def decode_limit(self) -> int:
         """Upper bound for any intermediate stage's output; guards against hostile size fields."""
         return 2 * self.nbytes + (1 << 20)
-
-
-class CodecError(ValueError):
-    """Encoded bytes that this codec cannot decode (the container turns it into a miss)."""
 
 
 class Codec(ABC):

@@ -12,8 +12,9 @@ import struct
 
 import numpy as np
 
-from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.codecs.base import Codec, SegmentSpec
 from kvstore.codecs.zstd import ZstdContexts, zstd_decompress
+from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer
 
 _PREFIX = struct.Struct("<I")  # length of the compressed high plane

@@ -13,7 +13,8 @@ import struct
 
 import torch
 
-from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer, as_bytes_view, tensor_view
 
 _E4M3_MAX = 448.0

@@ -6,7 +6,8 @@ import struct
 
 import lz4.block
 
-from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer
 
 

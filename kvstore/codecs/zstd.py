@@ -6,7 +6,8 @@ import threading
 
 import zstandard
 
-from kvstore.codecs.base import Codec, CodecError, SegmentSpec
+from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer
 
 MIN_LEVEL, MAX_LEVEL = -7, 22

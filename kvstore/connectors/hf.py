@@ -37,8 +37,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "kvstore.connectors.hf needs Hugging Face transformers >= 5.0: pip install 'kvstore[hf]'"
     ) from exc
 
-from kvstore.engine.prefetch import PrefetchError
 from kvstore.engine.sync import SyncKVStore, SyncLayerStream
+from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 

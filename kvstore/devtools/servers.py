@@ -29,11 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
 
+from kvstore.errors import ServerError
+
 HOST = "127.0.0.1"
-
-
-class ServerError(RuntimeError):
-    """A dev server could not be found or started; the message says what to install."""
 
 
 def free_port(avoid: set[int] | None = None) -> int:

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvstore.config import ConfigError
+from kvstore.errors import ConfigError
 from kvstore.storage.stats import LATENCY_BUCKETS, Histogram
 
 if TYPE_CHECKING:

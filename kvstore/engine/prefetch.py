@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.tier import LayerReader
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
     from kvstore.engine.store import KVStore
 
 log = logging.getLogger("kvstore.prefetch")
-
-
-class PrefetchError(RuntimeError):
-    """A layer of the prefix could not be loaded; the engine should recompute instead."""
 
 
 class LayerStream:

@@ -28,6 +28,7 @@ from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
 from kvstore.engine import metrics
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.prefetch import LayerStream
+from kvstore.errors import StoreClosedError, TierTimeout
 from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker, store_advice
@@ -39,14 +40,6 @@ from kvstore.storage.tier import ChunkTier
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
 WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
-
-
-class StoreClosedError(RuntimeError):
-    """The store was used after ``close()``."""
-
-
-class TierTimeout(TimeoutError):
-    """A tier operation ran past its configured timeout (counted; the caller treats it as a miss)."""
 
 
 class KVStore:

@@ -17,7 +17,8 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.engine.prefetch import LayerStream
-from kvstore.engine.store import KVStore, StoreClosedError
+from kvstore.engine.store import KVStore
+from kvstore.errors import StoreClosedError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice

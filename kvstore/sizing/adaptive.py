@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvstore.config import ConfigError
+from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, namespace_dir
 from kvstore.sizing.advice import DEFAULT_BANDWIDTH, UNBOUNDED, Advice, CostModel, TierCost, advise
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler

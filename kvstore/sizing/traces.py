@@ -21,16 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.errors import TraceFormatError
+
 TRACE_MAGIC = b"KVTRACE1"
 TRACE_DTYPE = np.dtype([("time", "<f8"), ("request", "<u4"), ("id", "<u8")])
 """One reference: seconds since the trace began, the lookup it belongs to, the chunk key's identity."""
 _HEADER_LENGTH = struct.Struct("<I")
 _WRITE_BUFFER_BYTES = 1 << 20
 _MASK64 = (1 << 64) - 1
-
-
-class TraceFormatError(ValueError):
-    """A file is not a readable kvstore trace."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,16 +28,11 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvstore.codecs import (
-    MAX_CODEC_NAME,
-    CodecError,
-    CodecPipeline,
-    SegmentSpec,
-    make_codec,
-)
+from kvstore.codecs import MAX_CODEC_NAME, CodecPipeline, SegmentSpec, make_codec
+from kvstore.errors import ChunkFormatError, CodecError, DecryptionError, ForeignChunkError
 from kvstore.keys import ChunkKey, key_to_bytes
 from kvstore.layout import KVLayout
-from kvstore.storage.crypto import KEY_ID_BYTES, ChunkCipher, DecryptionError, associated_data
+from kvstore.storage.crypto import KEY_ID_BYTES, ChunkCipher, associated_data
 from kvstore.util.buffers import Buffer, as_bytes_view
 
 MAGIC = b"KVSTCHNK"
@@ -48,17 +43,6 @@ _CHECKSUM = struct.Struct("<Q")
 MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
 FLAG_ENCRYPTED = 1
-
-
-class ChunkFormatError(Exception):
-    """A stored object is not a valid chunk for this key and layout. Callers treat it as a miss."""
-
-
-class ForeignChunkError(ChunkFormatError):
-    """A valid chunk this store cannot open (another encryption key, or encryption on one side only).
-
-    A miss like any other, but the object is someone else's, not damaged: it is left in place.
-    """
 
 
 def checksum(data: Buffer) -> int:

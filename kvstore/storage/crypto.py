@@ -20,16 +20,13 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from kvstore.errors import DecryptionError
 from kvstore.util.buffers import Buffer
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
 OVERHEAD = NONCE_BYTES + TAG_BYTES
 KEY_ID_BYTES = 8
-
-
-class DecryptionError(Exception):
-    """A segment failed authentication: tampered, or sealed under another key or for another place."""
 
 
 def parse_key(text: str) -> bytes:

@@ -16,12 +16,11 @@ from typing import TypeVar
 
 from kvstore.backends.base import Backend, ChunkReader, LocalBackend
 from kvstore.codecs import CodecPipeline
+from kvstore.errors import ChunkFormatError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.container import (
-    ChunkFormatError,
     ChunkHeader,
-    ForeignChunkError,
     checksum,
     decode_chunk,
     decode_layer,

@@ -16,8 +16,8 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvstore.config import ConfigError
 from kvstore.connectors.vllm import KVStoreTier
+from kvstore.errors import ConfigError
 
 LAYERS, TOKENS, WIDTH = 2, 256, 64  # float32: 2 x 2 x 256 x 64 x 4 = 256 KiB per chunk
 CHUNK_BYTES = LAYERS * 2 * TOKENS * WIDTH * 4

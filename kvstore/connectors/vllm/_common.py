@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import ConfigError, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.engine.sync import SyncKVStore
+from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.connectors.vllm")

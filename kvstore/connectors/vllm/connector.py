@@ -35,11 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvstore.config import ConfigError
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer, paged_format
 from kvstore.connectors.vllm._common import read_options, shared_stores
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncLayerStream
+from kvstore.errors import ConfigError, KVStoreError, PrefetchError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 
@@ -396,7 +396,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._loads.append(load)
             try:
                 load.stream = self.store.prefetch(spec.keys, depth=self.prefetch_depth)
-            except Exception as exc:  # e.g. the store closed under a shutting-down engine
+            except KVStoreError as exc:  # e.g. the store closed under a shutting-down engine
                 self._fail(load, f"the stream did not start: {exc!r}")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -412,7 +412,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
                 layer.scatter(load.block_ids, kv[:, rows])
                 load.layers_done += 1
-            except Exception as exc:  # PrefetchError, a timeout, anything: recomputed, never an engine error
+            except (PrefetchError, TimeoutError) as exc:  # a layer that cannot come, or is late: recomputed
                 self._fail(load, f"layer {index}: {exc}")
         self._finish_loads(complete_only=True)
 

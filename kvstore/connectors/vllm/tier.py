@@ -34,8 +34,8 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.config import ConfigError
 from kvstore.connectors.vllm._common import read_options, shared_stores
+from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, namespace_seed
 from kvstore.layout import KVLayout, dtype_from_name
 
