@@ -3,9 +3,14 @@ encoded bytes is a CodecError (never another exception, never a huge allocation)
 
 from __future__ import annotations
 
+import importlib
 import struct
+import sys
+import textwrap
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,14 +22,24 @@ from hypothesis import strategies as st
 from kvstore.codecs import (
     CODECS,
     DEFAULT_REMOTE_CODEC,
+    ENTRY_POINT_GROUP,
     MAX_CODEC_NAME,
+    ArrayArrayCodec,
+    ArrayBytesCodec,
+    BytesBytesCodec,
+    Codec,
     CodecPipeline,
+    CodecRegistry,
     SegmentSpec,
+    StageKind,
+    available_codecs,
     make_codec,
+    register_codec,
     roundtrip_error,
 )
+from kvstore.codecs import registry as codec_registry
 from kvstore.errors import CodecError
-from kvstore.util.buffers import tensor_bytes
+from kvstore.util.buffers import Buffer, tensor_bytes, tensor_view
 
 LOSSLESS = [
     "identity",
@@ -330,21 +345,52 @@ def test_fp8_rejects_segments_that_are_not_four_dimensional():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_every_built_in_stage_declares_its_kind():
+    kinds = {name: codec.kind for name, codec in CODECS.items()}
+    assert kinds == {
+        "bytesplit": StageKind.ARRAY_BYTES,
+        "fp8": StageKind.ARRAY_BYTES,
+        "identity": StageKind.BYTES_BYTES,
+        "lz4": StageKind.BYTES_BYTES,
+        "zstd": StageKind.BYTES_BYTES,
+    }
+    assert all(issubclass(codec, (ArrayBytesCodec, BytesBytesCodec)) for codec in CODECS.values())
+    assert str(StageKind.ARRAY_BYTES) == "array→bytes"
+
+
 @pytest.mark.parametrize(
-    "name",
+    "name, fragments",
     [
-        "zstd+bytesplit",
-        "lz4+fp8",
-        "fp8+bytesplit",
-        "bytesplit+fp8",
-        "bytesplit+bytesplit",
-        "identity+fp8",
-        "zstd:3+bytesplit:3",
+        ("zstd+bytesplit", ["'bytesplit' (array→bytes)", "must come first", "bytes→bytes stage 'zstd'"]),
+        ("lz4+fp8", ["'fp8' (array→bytes)", "must come first", "bytes→bytes stage 'lz4'"]),
+        ("identity+fp8", ["'fp8'", "must come first", "stage 'identity'"]),
+        ("zstd:3+bytesplit:3", ["'bytesplit'", "must come first", "stage 'zstd'"]),
+        ("bytesplit+zstd+fp8", ["'fp8'", "must come first", "stage 'zstd'"]),
+        ("fp8+bytesplit", ["'fp8' and 'bytesplit' both turn values into bytes", "at most one array→bytes stage"]),
+        ("bytesplit+fp8", ["'bytesplit' and 'fp8' both turn values into bytes"]),
+        ("bytesplit+bytesplit", ["'bytesplit' and 'bytesplit' both turn values into bytes"]),
     ],
 )
-def test_transform_stages_must_come_first(name):
-    with pytest.raises(ValueError, match="must come first"):
+def test_stage_order_is_checked_when_the_pipeline_is_built(name, fragments):
+    with pytest.raises(ValueError) as excinfo:
         make_codec(name)
+    for fragment in fragments + ["a pipeline runs array→array stages"]:
+        assert fragment in str(excinfo.value)
+
+
+def test_a_pipeline_of_something_other_than_stages_is_a_type_error():
+    class Untyped(Codec):  # subclasses the common base, not one of the three kinds
+        name = "untyped"
+
+        def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+            return data
+
+        def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+            return data
+
+    for stages in ([Untyped()], [make_codec("zstd").stages[0], object()]):
+        with pytest.raises(TypeError, match="subclass ArrayArrayCodec, ArrayBytesCodec or BytesBytesCodec"):
+            CodecPipeline(stages)
 
 
 @pytest.mark.parametrize("name", ["snappy", "zstd+snappy", "Zstd", "bytesplit+", "+zstd", "zstd++lz4", "fp8 zstd"])
@@ -396,10 +442,18 @@ def test_a_pipeline_needs_a_stage():
         (" zstd:3 + lz4 ", "zstd:3+lz4"),
         ("fp8+zstd:1", "fp8+zstd"),
         ("identity", "identity"),
+        ("bytesplit", "bytesplit"),
+        ("fp8+zstd", "fp8+zstd"),
+        ("zstd:3", "zstd:3"),
+        ("bytesplit:3", "bytesplit:3"),
+        ("zstd:-5", "zstd:-5"),
+        ("bytesplit+lz4", "bytesplit+lz4"),
+        ("identity+zstd", "identity+zstd"),
     ],
 )
 def test_pipeline_ids_are_canonical_and_parse_back(name, canonical):
-    """The id is what chunk headers store, so it must name the same pipeline again."""
+    """The id is what chunk headers store: the same as before stages were typed, and it names the same
+    pipeline again."""
     codec = make_codec(name)
     assert codec.id == canonical
     assert make_codec(codec.id).id == canonical
@@ -588,3 +642,255 @@ def test_fp8_with_a_wrong_scale_count_is_rejected():
     struct.pack_into("<I", encoded, 0, struct.unpack_from("<I", encoded)[0] + 1)
     with pytest.raises(CodecError, match="fp8"):
         decode(make_codec("fp8"), bytes(encoded), DEFECT_SPEC)
+
+
+# ---------------------------------------------------------------------------------------------
+# Segments written before the stages were typed still decode
+# ---------------------------------------------------------------------------------------------
+
+OLD_SEGMENT = (torch.arange(32, dtype=torch.float32).reshape(2, 4, 1, 4) / 4 - 3).to(torch.bfloat16)
+# (chunk-header id, segment bytes), both written by the codecs before the typed stages and the registry
+WRITTEN_BEFORE = {
+    "identity": (
+        "40c030c020c010c000c0e0bfc0bfa0bf80bf40bf00bf80be0000803e003f403f803fa03fc03fe03f0040104020403040"
+        "40405040604070408040884090409840"
+    ),
+    "zstd:3": (
+        "28b52ffd2040dd010002c40d18b025e90cc5c936dc602432160f4820429ae0eca2650b97010b0e0c982e261efe32793c"
+        "1e9686c43981b601d5eaa232d53a5d47494b0f00"
+    ),
+    "bytesplit": (
+        "1c00000028b52ffd20209d000058c0c0c0c0c0bfbe003e3f40031000268eb4454030201000e0c0a08040008000800040"
+        "80a0c0e0001020304050607080889098"
+    ),
+    "bytesplit:3": (
+        "1c00000028b52ffd20209d000058c0c0c0c0c0bfbe003e3f40031000268eb4454030201000e0c0a08040008000800040"
+        "80a0c0e0001020304050607080889098"
+    ),
+    "bytesplit+lz4": (
+        "40000000f0311c00000028b52ffd20209d000058c0c0c0c0c0bfbe003e3f40031000268eb4454030201000e0c0a08040"
+        "00800080004080a0c0e0001020304050607080889098"
+    ),
+    "fp8+zstd": (
+        "28b52ffd204421020008000000b76ddb3b9224c93b6edbb63b4992a43b2549123cb76d1b3c4992243cdbb62d3cfefefe"
+        "fef9f9f8f8f1efebe400626b716e707172767778787a7b7b7b7e7e7e7e"
+    ),
+}
+
+
+@pytest.mark.parametrize("stored_id, encoded", WRITTEN_BEFORE.items(), ids=list(WRITTEN_BEFORE))
+def test_segments_written_before_still_decode(stored_id, encoded):
+    codec = make_codec(stored_id)
+    assert codec.id == stored_id
+    decoded = decode(codec, bytes.fromhex(encoded), spec_of(OLD_SEGMENT))
+    if codec.lossless:
+        assert_bit_exact(decoded, OLD_SEGMENT)
+    else:
+        assert roundtrip_error(OLD_SEGMENT, decoded)["rms_rel"] < 2**-4
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: stages registered in code, and third-party ones from the entry-point group
+# ---------------------------------------------------------------------------------------------
+
+
+class WidenCodec(ArrayArrayCodec):
+    """An array→array stage that changes the spec: 16-bit floats become float32 (exactly) for the stages after it."""
+
+    name = "widen"
+
+    def encoded_spec(self, spec: SegmentSpec) -> SegmentSpec:
+        return SegmentSpec(torch.float32, spec.shape)
+
+    def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        return tensor_view(data, spec.dtype, spec.shape).float().view(torch.uint8).numpy().tobytes()
+
+    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        wide = tensor_view(data, torch.float32, spec.shape)  # the wrong length raises: the pipeline's CodecError
+        return wide.to(spec.dtype).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> CodecRegistry:
+    """A fresh registry (built-ins only, entry points not read yet) in place of the default one for one test."""
+    fresh = CodecRegistry()
+    monkeypatch.setattr(codec_registry, "default_registry", fresh)
+    return fresh
+
+
+PLUGIN_SOURCE = '''
+import numpy as np
+
+from kvstore.codecs import BytesBytesCodec
+
+
+class XorCodec(BytesBytesCodec):
+    """A stand-in for a third-party compressor: flips every bit."""
+
+    name = "xor"
+
+    def encode(self, data, spec):
+        return (np.frombuffer(data, dtype=np.uint8) ^ 0xFF).tobytes()
+
+    def decode(self, data, spec):
+        return self.encode(data, spec)
+
+
+class NotAStage:
+    name = "notastage"
+'''
+
+
+@pytest.fixture
+def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registry: CodecRegistry) -> Iterator[Callable[..., None]]:
+    """Install a distribution the way pip does (a module beside a ``*.dist-info`` folder) on a
+    sys.path entry of its own; sys.path, the modules it imported and the registry are restored after."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def install_distribution(dist: str, entry_points: dict[str, str], module_sources: dict[str, str]) -> None:
+        for module, source in module_sources.items():
+            (site / f"{module}.py").write_text(textwrap.dedent(source))
+            modules.append(module)
+        info = site / f"{dist.replace('-', '_')}-1.0.dist-info"  # as pip names it: the name ends at the first '-'
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
+        importlib.invalidate_caches()
+
+    yield install_distribution
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+def test_register_codec_adds_a_typed_stage_usable_in_pipelines(registry):
+    assert register_codec(WidenCodec) is WidenCodec
+    assert register_codec(WidenCodec) is WidenCodec  # the same class again is no clash
+    assert "widen" in available_codecs() and "widen" not in CODECS
+    segment = real_values(torch.bfloat16)
+    for name in ("widen", "widen+bytesplit", "widen+fp8+zstd", "widen+zstd:3"):
+        codec = make_codec(name)
+        assert codec.id == name
+        decoded = decode(codec, encode(codec, segment), spec_of(segment))
+        if codec.lossless:
+            assert_bit_exact(decoded, segment)
+        else:
+            assert roundtrip_error(segment, decoded)["rms_rel"] < 0.05
+    # the stages after widen are given float32 (bytesplit and fp8 above decode to float32's size, or fail)
+    assert len(encode(make_codec("widen"), segment)) == segment.numel() * 4
+    with pytest.raises(CodecError):  # a defect met by an array→array stage is a CodecError too
+        decode(make_codec("widen+zstd"), encode(make_codec("zstd"), segment), spec_of(segment))
+
+
+def real_values(dtype: torch.dtype) -> torch.Tensor:
+    """Finite values of a plausible KV magnitude (widen is exact on them, NaN payloads aside)."""
+    return torch.from_numpy(np.random.default_rng(7).standard_normal(SMALL_SHAPE).astype(np.float32)).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [
+        ("bytesplit+widen", "before the array→bytes stage 'bytesplit'"),
+        ("zstd+widen", "before the bytes→bytes stage 'zstd'"),
+        ("fp8+widen+zstd", "before the array→bytes stage 'fp8'"),
+    ],
+)
+def test_array_array_stages_come_before_every_other_kind(registry, name, fragment):
+    register_codec(WidenCodec)
+    with pytest.raises(ValueError, match="'widen' \\(array→array\\) reads values, so it must come first") as excinfo:
+        make_codec(name)
+    assert fragment in str(excinfo.value)
+
+
+def test_register_codec_refuses_a_taken_name_a_bad_name_and_an_untyped_class(registry):
+    class OtherZstd(BytesBytesCodec):
+        name = "zstd"
+
+        def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+            return data
+
+        def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+            return data
+
+    with pytest.raises(ValueError, match="'zstd' is taken by kvstore.codecs.zstd.ZstdCodec"):
+        register_codec(OtherZstd)
+    for bad in ("Zstd2", "my+codec", "lz:4", "", "x" * (MAX_CODEC_NAME + 1), "fp8 zstd", "é"):
+        renamed = type("Renamed", (OtherZstd,), {"name": bad})
+        with pytest.raises(ValueError, match="lowercase ASCII"):
+            register_codec(renamed)
+    with pytest.raises(TypeError, match="not a codec stage"):
+        register_codec(type("Plain", (), {"name": "plain"}))
+    assert make_codec("zstd").stages[0].__class__ is CODECS["zstd"]
+
+
+def test_a_third_party_codec_is_found_through_its_entry_point(install, registry):
+    install("kvstore-xor", {"xor": "kvstore_test_xor:XorCodec"}, {"kvstore_test_xor": PLUGIN_SOURCE})
+    assert "xor" in available_codecs()
+    assert "kvstore_test_xor" not in sys.modules, "listing names must not import plugins"
+    segment = random_bits(torch.bfloat16, SMALL_SHAPE, 21)
+    for name in ("xor", "bytesplit+xor", "fp8+zstd+xor"):
+        codec = make_codec(name)
+        assert codec.id == name
+        encoded = encode(codec, segment)
+        decoded = decode(make_codec(codec.id), encoded, spec_of(segment))  # as a reader of the chunk header would
+        if codec.lossless:
+            assert_bit_exact(decoded, segment)
+    assert encode(make_codec("xor"), segment) == bytes(b ^ 0xFF for b in bytes(tensor_bytes(segment)))
+    plugin = sys.modules["kvstore_test_xor"].XorCodec
+    assert registry.lookup("xor") is plugin and make_codec("xor").stages[0].kind is StageKind.BYTES_BYTES
+    with pytest.raises(ValueError, match="'bytesplit' \\(array→bytes\\) reads values, so it must come first"):
+        make_codec("xor+bytesplit")  # a plugin's stage is typed like any other
+
+
+@pytest.mark.parametrize(
+    "target, modules, fragments",
+    [
+        ("kvstore_test_absent:XorCodec", {}, ["ModuleNotFoundError", "kvstore_test_absent"]),
+        ("kvstore_test_plugin:Missing", {"kvstore_test_plugin": PLUGIN_SOURCE}, ["AttributeError", "Missing"]),
+        ("kvstore_test_plugin:NotAStage", {"kvstore_test_plugin": PLUGIN_SOURCE}, ["TypeError", "not a codec stage"]),
+        ("kvstore_test_plugin:XorCodec", {"kvstore_test_plugin": PLUGIN_SOURCE}, ["whose name is 'xor', not 'broken'"]),
+        ("kvstore_test_boom:XorCodec", {"kvstore_test_boom": "raise RuntimeError('boom')\n"}, ["RuntimeError: boom"]),
+    ],
+    ids=["no-module", "no-attribute", "not-a-stage", "wrong-name", "import-raises"],
+)
+def test_a_broken_entry_point_is_reported_by_name_and_breaks_nothing_else(install, target, modules, fragments):
+    install("kvstore-broken", {"broken": target}, modules)
+    for _ in range(2):  # the same clear error each time it is asked for, never a half-registered codec
+        with pytest.raises(ValueError) as excinfo:
+            make_codec("fp8+broken")
+        text = str(excinfo.value)
+        for fragment in [f"'broken = {target}'", "kvstore-broken 1.0", f"group {ENTRY_POINT_GROUP!r}", *fragments]:
+            assert fragment in text, (fragment, text)
+    for name in ALL:  # every other name still works
+        make_codec(name)
+    assert "broken" in available_codecs()
+    with pytest.raises(ValueError, match="unknown codec 'snappy'.*'broken'"):
+        make_codec("snappy")
+
+
+def test_two_entry_points_for_one_name_are_an_error_naming_both(install, registry):
+    install("kvstore-xor-a", {"xor": "kvstore_test_xor_a:XorCodec"}, {"kvstore_test_xor_a": PLUGIN_SOURCE})
+    install("kvstore-xor-b", {"xor": "kvstore_test_xor_b:XorCodec"}, {"kvstore_test_xor_b": PLUGIN_SOURCE})
+    with pytest.raises(ValueError, match="several entry points") as excinfo:
+        make_codec("xor")
+    assert "kvstore-xor-a 1.0" in str(excinfo.value) and "kvstore-xor-b 1.0" in str(excinfo.value)
+
+
+def test_an_entry_point_cannot_take_a_built_in_name(install, registry):
+    install("kvstore-fake-zstd", {"zstd": "kvstore_test_fake:XorCodec"}, {"kvstore_test_fake": PLUGIN_SOURCE})
+    with pytest.warns(UserWarning, match="'zstd = kvstore_test_fake:XorCodec'.* is ignored"):
+        names = available_codecs()
+    assert names.count("zstd") == 1
+    assert isinstance(make_codec("zstd").stages[0], CODECS["zstd"])
+    assert "kvstore_test_fake" not in sys.modules
+
+
+def test_entry_points_are_read_once_and_only_when_needed(install, registry):
+    assert make_codec("zstd").id == "zstd"  # a built-in name does not read the group...
+    install("kvstore-early", {"early": "kvstore_test_early:XorCodec"}, {"kvstore_test_early": PLUGIN_SOURCE})
+    assert "early" in available_codecs()  # ...so a plugin installed since is found
+    install("kvstore-late", {"late": "kvstore_test_late:XorCodec"}, {"kvstore_test_late": PLUGIN_SOURCE})
+    assert "late" not in available_codecs(), "the group is read once, not at every lookup"

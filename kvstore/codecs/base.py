@@ -1,15 +1,31 @@
-"""The codec interface: one segment (one layer of one chunk) in, bytes out.
+"""The codec interface: one segment (one layer of one chunk) in, bytes out, in typed stages.
 
-Codecs run in worker threads, never on the event loop. Each is a stage; stages compose into
-a pipeline written ``"fp8+zstd"`` or ``"bytesplit:3"`` (``name[:level]``, joined by ``+``).
-A *transform* stage (byte-split, fp8) understands the values and must come first; the
-stages after it see plain bytes.
+Codecs run in worker threads, never on the event loop. Each codec is a *stage*; stages compose
+into a pipeline written ``"fp8+zstd"`` or ``"bytesplit:3"`` (``name[:level]``, joined by ``+``).
+As in zarr v3, a stage is typed by what it takes and what it gives:
+
+- :class:`ArrayArrayCodec`, array→array: reads the segment's values and gives values again, of
+  the same or another dtype and shape (:meth:`Codec.encoded_spec` says which). No built-in
+  stage is one; the kind is there for third-party transforms (a delta, a cast) that a
+  serializer or compressor should see as values.
+- :class:`ArrayBytesCodec`, array→bytes, a *serializer*: reads values and gives an opaque byte
+  layout (byte-split's two planes, fp8's scales and codes). Its output is no longer values,
+  so no stage that reads values can follow it, and a pipeline has at most one. Without one,
+  the values' raw memory layout is the serialization.
+- :class:`BytesBytesCodec`, bytes→bytes: a compressor that never looks at values (zstd, lz4,
+  identity), so any number of them may follow, in any order.
+
+fp8 is a serializer rather than an array→array cast because its output carries per-channel
+scales next to the codes, which no single dtype and shape describes. The pipeline
+(:mod:`kvstore.codecs.pipeline`) checks the order array→array*, array→bytes?, bytes→bytes*
+when it is built.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import ClassVar
 
 import numpy as np
@@ -40,13 +56,24 @@ class SegmentSpec:
         return 2 * self.nbytes + (1 << 20)
 
 
-class Codec(ABC):
-    """One stage of a codec pipeline."""
+class StageKind(IntEnum):
+    """What a stage takes and gives; in a pipeline the kinds never decrease."""
 
-    name: ClassVar[str]
+    ARRAY_ARRAY = 0
+    ARRAY_BYTES = 1
+    BYTES_BYTES = 2
+
+    def __str__(self) -> str:
+        return self.name.lower().replace("_", "→")
+
+
+class Codec(ABC):
+    """One stage of a codec pipeline. Subclass one of the three kinds below, not this class."""
+
+    name: ClassVar[str]  # what configs and chunk headers call it: written to disk, so never rename one
+    kind: ClassVar[StageKind]
     lossless: ClassVar[bool] = True
-    transform: ClassVar[bool] = False  # reads values, so it must be the first stage
-    default_level: ClassVar[int | None] = None
+    default_level: ClassVar[int | None] = None  # None: the stage takes no level
 
     def __init__(self, level: int | None = None) -> None:
         if level is not None and self.default_level is None:
@@ -56,6 +83,10 @@ class Codec(ABC):
     @property
     def id(self) -> str:
         return self.name if self.level in (None, self.default_level) else f"{self.name}:{self.level}"
+
+    def encoded_spec(self, spec: SegmentSpec) -> SegmentSpec:
+        """The spec that the next stage is given; an array→array stage that changes dtype or shape says so."""
+        return spec
 
     @abstractmethod
     def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer: ...
@@ -69,6 +100,36 @@ class Codec(ABC):
         if len(decoded) != len(out):
             raise CodecError(f"{self.name}: decoded {len(decoded)} bytes, expected {len(out)}")
         out[:] = decoded
+
+
+class ArrayArrayCodec(Codec):
+    """Values in (``spec``), values out (``encoded_spec(spec)``): runs before any other kind."""
+
+    kind = StageKind.ARRAY_ARRAY
+
+
+class ArrayBytesCodec(Codec):
+    """Values in, an opaque byte layout out: at most one per pipeline, after array→array stages only."""
+
+    kind = StageKind.ARRAY_BYTES
+
+
+class BytesBytesCodec(Codec):
+    """Bytes in, bytes out, values never read: runs after every stage of the other two kinds."""
+
+    kind = StageKind.BYTES_BYTES
+
+
+def stage_kind(codec: type[Codec] | Codec) -> StageKind:
+    """The kind a codec class (or stage) declares; anything else is a TypeError saying what to subclass."""
+    cls = codec if isinstance(codec, type) else type(codec)
+    kind = getattr(cls, "kind", None) if issubclass(cls, Codec) else None
+    if not isinstance(kind, StageKind):
+        raise TypeError(
+            f"{codec!r} is not a codec stage: subclass ArrayArrayCodec, ArrayBytesCodec or BytesBytesCodec "
+            "from kvstore.codecs"
+        )
+    return kind
 
 
 def roundtrip_error(original: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:

@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.codecs.base import ArrayBytesCodec, SegmentSpec
 from kvstore.codecs.zstd import ZstdContexts, zstd_decompress
 from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer
@@ -20,9 +20,10 @@ from kvstore.util.buffers import Buffer
 _PREFIX = struct.Struct("<I")  # length of the compressed high plane
 
 
-class ByteSplitCodec(Codec):
+class ByteSplitCodec(ArrayBytesCodec):
+    """array→bytes: it must know each value's width to split its bytes into planes."""
+
     name = "bytesplit"
-    transform = True
     default_level = 1
 
     def __init__(self, level: int | None = None) -> None:

@@ -13,7 +13,7 @@ import struct
 
 import torch
 
-from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.codecs.base import ArrayBytesCodec, SegmentSpec
 from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer, as_bytes_view, tensor_view
 
@@ -21,10 +21,11 @@ _E4M3_MAX = 448.0
 _PREFIX = struct.Struct("<I")  # number of float32 scales that follow
 
 
-class Fp8Codec(Codec):
+class Fp8Codec(ArrayBytesCodec):
+    """array→bytes: it reads values, and gives codes with per-channel scales, which no one dtype describes."""
+
     name = "fp8"
     lossless = False
-    transform = True
 
     @staticmethod
     def _check(spec: SegmentSpec) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.codecs.base import BytesBytesCodec, SegmentSpec
 from kvstore.util.buffers import Buffer
 
 
-class IdentityCodec(Codec):
+class IdentityCodec(BytesBytesCodec):
     name = "identity"
 
     def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:

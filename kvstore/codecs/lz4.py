@@ -6,12 +6,12 @@ import struct
 
 import lz4.block
 
-from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.codecs.base import BytesBytesCodec, SegmentSpec
 from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer
 
 
-class Lz4Codec(Codec):
+class Lz4Codec(BytesBytesCodec):
     name = "lz4"
 
     def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:

@@ -6,7 +6,7 @@ import threading
 
 import zstandard
 
-from kvstore.codecs.base import Codec, SegmentSpec
+from kvstore.codecs.base import BytesBytesCodec, SegmentSpec
 from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer
 
@@ -35,7 +35,7 @@ class ZstdContexts:
         return decompressor
 
 
-class ZstdCodec(Codec):
+class ZstdCodec(BytesBytesCodec):
     name = "zstd"
     default_level = 1
 
