@@ -1,16 +1,25 @@
-"""Shared fixtures: the real KV sample, and real servers for the remote tiers."""
+"""Shared fixtures: the real KV sample, and real servers for the remote tiers (helpers: tests/support.py)."""
 
 from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import numpy as np
 import pytest
 import torch
-from botocore.config import Config
 
-from kvstore.devtools.servers import DevServer, MotoServer, RedisClusterServer, RedisServer, S3Server, SeaweedFSServer
-from kvstore.errors import ServerError
+# The backend conformance suite lives in the package; its assertions should explain themselves too.
+pytest.register_assert_rewrite("kvstore.testing.conformance")
+
+from support import TEST_BUCKET, raw_s3_client, start_server  # noqa: E402
+
+from kvstore.devtools.servers import (  # noqa: E402 (after the rewrite hook)
+    DevServer,
+    MotoServer,
+    RedisClusterServer,
+    RedisServer,
+    S3Server,
+    SeaweedFSServer,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Real KV sample for codec and container tests (test_codecs.py, test_format.py).
@@ -37,26 +46,6 @@ def real_kv() -> torch.Tensor:
 # Real servers (kvstore.devtools.servers), one of each per test session. A server that cannot start
 # fails the tests that need it: remote-tier tests never skip.
 # ---------------------------------------------------------------------------------------------
-TEST_BUCKET = "kvstore-test"
-
-
-def start_server(server: DevServer) -> DevServer:
-    try:
-        return server.start()
-    except ServerError as exc:
-        pytest.fail(f"could not start {server.name} for the remote-tier tests: {exc}", pytrace=False)
-
-
-def raw_s3_client(server: S3Server):
-    """A plain boto3 client, for tests that reach under kvstore (making buckets, corrupting objects)."""
-    return boto3.client(
-        "s3",
-        endpoint_url=server.endpoint_url,
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        region_name=server.region,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5, "mode": "standard"}),
-    )
 
 
 def _serve(server: DevServer) -> Iterator[DevServer]:

@@ -91,9 +91,9 @@ async def test_second_sighting_writes_a_prefix_once_it_comes_back(tmp_path: Path
     async with KVStore(config, LAYOUT, "adaptive") as store:
         (disk,) = store.tiers
         await replay(store, [first])
-        assert not any(disk.holds(key) for key in keys), "a first sighting stays in DRAM"
+        assert not any(disk.backend.holds(key) for key in keys), "a first sighting stays in DRAM"
         await replay(store, [first])  # looked up again: a DRAM hit, so it goes below now
-        assert all(disk.holds(key) for key in keys)
+        assert all(disk.backend.holds(key) for key in keys)
         assert store.stats()["adaptive"]["released"] == 4
         # a prefix evicted from DRAM before it came back is written when it is computed again
         chunks = [traces.trace_key(int(i)) for i in other]
@@ -102,7 +102,7 @@ async def test_second_sighting_writes_a_prefix_once_it_comes_back(tmp_path: Path
             assert store.pool.discard(key)
         result = await replay(store, [other])
         assert result.prefix_hits == 0
-        assert all(disk.holds(key) for key in chunks)
+        assert all(disk.backend.holds(key) for key in chunks)
         assert store.stats()["adaptive"]["released"] == 4  # written by the put, not released from DRAM
 
 
@@ -192,7 +192,7 @@ async def test_second_sighting_writes_through_until_the_store_sees_a_lookup(tmp_
         for key in keys:
             assert await store.put(key, chunk)
         await store.flush()
-        assert all(disk.holds(key) for key in keys)
+        assert all(disk.backend.holds(key) for key in keys)
         assert store.stats()["adaptive"]["held_back"] == 0
 
 
@@ -203,12 +203,12 @@ async def test_a_layer_stream_from_dram_releases_held_back_chunks(tmp_path: Path
     async with KVStore(config, LAYOUT, "adaptive") as store:
         (disk,) = store.tiers
         await replay(store, [chain])
-        assert not any(disk.holds(key) for key in keys)
+        assert not any(disk.backend.holds(key) for key in keys)
         async with store.prefetch(keys) as stream:
             layers = [layer async for layer, _ in stream]
         await store.flush()
         assert layers == list(range(LAYOUT.num_layers))
-        assert all(disk.holds(key) for key in keys)
+        assert all(disk.backend.holds(key) for key in keys)
         assert store.stats()["adaptive"]["released"] == 3
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEST_BUCKET
+from support import TEST_BUCKET
 from transformers import DynamicCache
 
 from kvstore import StoreConfig, SyncKVStore

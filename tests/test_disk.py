@@ -25,7 +25,7 @@ from kvstore.engine.dram import SlabPool
 from kvstore.layout import KVLayout
 from kvstore.storage.container import encode_chunk, header_size
 from kvstore.storage.tier import ChunkTier
-from kvstore.testing.memory import MemoryBackend
+from kvstore.testing import MemoryBackend, listed_keys, read_chunk, write_chunk
 from kvstore.util.buffers import as_bytes_view, tensor_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,10 +61,6 @@ def temporaries_under(root: Path) -> list[Path]:
 
 def set_mtime(path: Path, when: float) -> None:
     os.utime(path, (when, when))
-
-
-async def collect(iterator: AsyncIterator[str]) -> list[str]:
-    return [item async for item in iterator]
 
 
 async def open_backend(root: Path, capacity: int = 1 << 30, **kwargs) -> DiskBackend:
@@ -168,12 +164,12 @@ async def test_list_keys(disk: DiskBackend):
     keys = {hexkey(i) for i in range(20)}
     for key in keys:
         await disk.set(key, [b"data"])
-    assert set(await collect(disk.list_keys())) == keys
+    assert set(await listed_keys(disk)) == keys
     prefix = sorted(keys)[0][:1]
-    assert set(await collect(disk.list_keys(prefix))) == {k for k in keys if k.startswith(prefix)}
-    assert await collect(disk.list_keys("zz")) == []
+    assert set(await listed_keys(disk, prefix)) == {k for k in keys if k.startswith(prefix)}
+    assert await listed_keys(disk, "zz") == []
     await disk.delete(sorted(keys)[0])
-    assert set(await collect(disk.list_keys())) == keys - {sorted(keys)[0]}
+    assert set(await listed_keys(disk)) == keys - {sorted(keys)[0]}
 
 
 async def test_prefix_count_checks_the_files(disk: DiskBackend):
@@ -262,7 +258,7 @@ async def test_a_failed_write_leaves_no_temporary_and_keeps_the_old_file(disk: D
         os.write(fd, b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("kvstore.backends.disk._write_fully", broken_write)
+    monkeypatch.setattr("kvstore.backends.disk.write_fully", broken_write)
     with pytest.raises(OSError) as info:
         await disk.set(key, [b"new contents that never land"])
     assert info.value.errno == errno.ENOSPC
@@ -388,7 +384,7 @@ async def test_restart_rebuilds_the_index_by_scanning(tmp_path: Path):
     for key, data in contents.items():
         assert second.holds(key)
         assert await second.get(key) == data
-    assert set(await collect(second.list_keys())) == set(contents)
+    assert set(await listed_keys(second)) == set(contents)
 
 
 async def test_a_hit_touches_mtime_so_lru_order_survives_restart(tmp_path: Path):
@@ -467,7 +463,7 @@ async def test_restart_sweeps_stale_temporaries_and_keeps_fresh_ones(tmp_path: P
     stats = second.stats()
     assert stats["files"] == 1
     assert stats["bytes_used"] == len(b"real")
-    assert await collect(second.list_keys()) == [key]
+    assert await listed_keys(second) == [key]
     assert await second.get(key) == b"real"
 
 
@@ -548,7 +544,7 @@ async def test_two_processes_share_a_directory_without_torn_reads(tmp_path: Path
             for key in keys:
                 for tier in readers:
                     out[:] = bytes(len(out))
-                    if await tier.read_into(key, memoryview(out)):
+                    if await read_chunk(tier, key, memoryview(out)):
                         data = bytes(out)
                         assert data in expected[key], "a read returned KV that was never written (torn or mixed)"
                         versions_seen[key].add(data)
@@ -574,10 +570,10 @@ async def test_two_processes_share_a_directory_without_torn_reads(tmp_path: Path
     for key in keys[1:]:
         assert await backend.exists(key)
         out = bytearray(BIG.chunk_nbytes)
-        assert await readers[0].read_into(key, memoryview(out))
+        assert await read_chunk(readers[0], key, memoryview(out))
         assert bytes(out) in expected[key]
     misses = readers[0].stats.misses
-    assert not await readers[0].read_into(keys[0], memoryview(bytearray(BIG.chunk_nbytes)))
+    assert not await read_chunk(readers[0], keys[0], memoryview(bytearray(BIG.chunk_nbytes)))
     assert readers[0].stats.misses == misses + 1
     assert await backend.prefix_count(keys) == 0
     assert await backend.prefix_count(keys[1:]) == len(keys) - 1
@@ -591,14 +587,14 @@ async def test_two_processes_share_a_directory_without_torn_reads(tmp_path: Path
 async def test_tier_roundtrip_is_bit_exact(disk: DiskBackend, codec: str):
     tier = make_tier(disk, codec)
     key, chunk = hexkey("chunk"), make_chunk(1)
-    await tier.write(key, chunk_view(chunk))
-    assert tier.holds(key)
+    await write_chunk(tier, key, chunk_view(chunk))
+    assert disk.holds(key)
     assert tier.stats.writes == 1
     stored = disk.path_for(key).stat().st_size
     assert tier.stats.bytes_written == stored
 
     out = torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
-    assert await tier.read_into(key, tensor_bytes(out)) is True
+    assert await read_chunk(tier, key, tensor_bytes(out)) is True
     assert torch.equal(out.view(torch.int16), chunk.view(torch.int16))  # bit-exact, NaN-proof
     assert tier.stats.hits == 1
     assert tier.stats.misses == 0 and tier.stats.corrupt == 0 and tier.stats.errors == 0
@@ -613,10 +609,10 @@ async def test_tier_reads_straight_into_a_dram_slot(disk: DiskBackend, codec: st
     tier = make_tier(disk, codec)
     chunks = {hexkey(i): make_chunk(i) for i in range(3)}
     for key, chunk in chunks.items():
-        await tier.write(key, chunk_view(chunk))
+        await write_chunk(tier, key, chunk_view(chunk))
     for key, chunk in chunks.items():
         slot = pool.reserve()
-        assert await tier.read_into(key, pool.buffer(slot))
+        assert await read_chunk(tier, key, pool.buffer(slot))
         assert torch.equal(pool.tensor(slot).view(torch.int16), chunk.view(torch.int16))
         assert pool.publish(slot, key)
         pool.release(slot)
@@ -626,7 +622,7 @@ async def test_tier_reads_straight_into_a_dram_slot(disk: DiskBackend, codec: st
 async def test_identity_codec_uses_the_scatter_path(disk: DiskBackend, monkeypatch):
     tier = make_tier(disk, "identity")
     key, chunk = hexkey("direct"), make_chunk(7)
-    await tier.write(key, chunk_view(chunk))
+    await write_chunk(tier, key, chunk_view(chunk))
     # header + the slot's exact bytes: nothing else is stored
     assert disk.path_for(key).stat().st_size == header_size(LAYOUT.num_layers, "identity") + LAYOUT.chunk_nbytes
 
@@ -635,7 +631,7 @@ async def test_identity_codec_uses_the_scatter_path(disk: DiskBackend, monkeypat
 
     monkeypatch.setattr(disk, "get", no_whole_reads)
     out = bytearray(LAYOUT.chunk_nbytes)
-    assert await tier.read_into(key, memoryview(out))
+    assert await read_chunk(tier, key, memoryview(out))
     assert bytes(out) == chunk_view(chunk).tobytes()
     assert tier.stats.errors == 0
 
@@ -644,10 +640,10 @@ async def test_identity_codec_uses_the_scatter_path(disk: DiskBackend, monkeypat
 @pytest.mark.parametrize("reader", CODECS)
 async def test_a_chunk_written_with_one_codec_is_readable_with_another(disk: DiskBackend, writer: str, reader: str):
     key, chunk = hexkey(f"{writer}-{reader}"), make_chunk(42)
-    await make_tier(disk, writer).write(key, chunk_view(chunk))
+    await write_chunk(make_tier(disk, writer), key, chunk_view(chunk))
     tier = make_tier(disk, reader)
     out = bytearray(LAYOUT.chunk_nbytes)
-    assert await tier.read_into(key, memoryview(out))
+    assert await read_chunk(tier, key, memoryview(out))
     assert bytes(out) == chunk_view(chunk).tobytes()
     assert tier.stats.hits == 1 and tier.stats.corrupt == 0
 
@@ -674,12 +670,12 @@ async def test_another_codecs_file_of_the_identity_size_is_not_mistaken_for_corr
     identity_size = header_size(LAYOUT.num_layers, "identity") + LAYOUT.chunk_nbytes
     chunk = _chunk_whose_container_has_size(writer, identity_size)
     key = hexkey(f"collide-{writer}")
-    await make_tier(disk, writer).write(key, memoryview(chunk.numpy()))
+    await write_chunk(make_tier(disk, writer), key, memoryview(chunk.numpy()))
     assert disk.path_for(key).stat().st_size == identity_size
 
     tier = make_tier(disk, "identity")
     out = bytearray(LAYOUT.chunk_nbytes)
-    assert await tier.read_into(key, memoryview(out))
+    assert await read_chunk(tier, key, memoryview(out))
     assert bytes(out) == chunk.numpy().tobytes()
     assert tier.stats.corrupt == 0 and tier.stats.hits == 1
     assert disk.path_for(key).exists()
@@ -739,7 +735,7 @@ async def _corrupt(kind: str, disk: DiskBackend, codec: str, key: str) -> None:
         disk.write(key, encode_chunk(other, key, chunk_view(make_chunk(5, other)), make_codec(codec)))
     elif kind == "other_key":
         other_key = hexkey("someone else")
-        await make_tier(disk, codec).write(other_key, chunk_view(make_chunk(6)))
+        await write_chunk(make_tier(disk, codec), other_key, chunk_view(make_chunk(6)))
         os.replace(disk.path_for(other_key), path)
     else:  # pragma: no cover
         raise AssertionError(kind)
@@ -770,12 +766,12 @@ CORRUPTIONS = [
 async def test_a_damaged_or_foreign_chunk_is_a_counted_miss_and_removed(disk: DiskBackend, codec: str, kind: str):
     tier = make_tier(disk, codec)
     key, chunk = hexkey("victim"), make_chunk(3)
-    await tier.write(key, chunk_view(chunk))
+    await write_chunk(tier, key, chunk_view(chunk))
     await _corrupt(kind, disk, codec, key)
     assert disk.path_for(key).exists()
 
     out = bytearray(LAYOUT.chunk_nbytes)
-    assert await tier.read_into(key, memoryview(out)) is False
+    assert await read_chunk(tier, key, memoryview(out)) is False
     assert tier.stats.corrupt == 1
     assert tier.stats.hits == 0
     assert tier.stats.errors == 0
@@ -783,11 +779,11 @@ async def test_a_damaged_or_foreign_chunk_is_a_counted_miss_and_removed(disk: Di
     assert not await disk.exists(key)
 
     # the next read is a plain miss, and a rewrite makes the key usable again
-    assert await tier.read_into(key, memoryview(out)) is False
+    assert await read_chunk(tier, key, memoryview(out)) is False
     assert tier.stats.misses == 1
     assert tier.stats.corrupt == 1
-    await tier.write(key, chunk_view(chunk))
-    assert await tier.read_into(key, memoryview(out)) is True
+    await write_chunk(tier, key, chunk_view(chunk))
+    assert await read_chunk(tier, key, memoryview(out)) is True
     assert bytes(out) == chunk_view(chunk).tobytes()
 
 
@@ -795,10 +791,10 @@ async def test_a_damaged_or_foreign_chunk_is_a_counted_miss_and_removed(disk: Di
 async def test_a_missing_chunk_is_a_miss(disk: DiskBackend, codec: str):
     tier = make_tier(disk, codec)
     out = bytearray(LAYOUT.chunk_nbytes)
-    assert await tier.read_into(hexkey("absent"), memoryview(out)) is False
+    assert await read_chunk(tier, hexkey("absent"), memoryview(out)) is False
     assert tier.stats.misses == 1
     assert tier.stats.hits == 0 and tier.stats.corrupt == 0 and tier.stats.errors == 0
-    assert not tier.holds(hexkey("absent"))
+    assert not disk.holds(hexkey("absent"))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -806,7 +802,7 @@ async def test_an_io_error_is_a_counted_miss_not_an_exception(disk: DiskBackend,
     tier = make_tier(disk, codec)
     key = hexkey("dir")
     disk.path_for(key).mkdir(parents=True)  # reading a directory fails with EISDIR
-    assert await tier.read_into(key, memoryview(bytearray(LAYOUT.chunk_nbytes))) is False
+    assert await read_chunk(tier, key, memoryview(bytearray(LAYOUT.chunk_nbytes))) is False
     assert tier.stats.errors == 1
     assert tier.stats.hits == 0 and tier.stats.corrupt == 0
 
@@ -815,10 +811,10 @@ async def test_a_failed_write_is_counted_and_raised(tmp_path: Path):
     backend = await open_backend(tmp_path / "disk", capacity=100)  # smaller than one container
     tier = make_tier(backend, "identity")
     with pytest.raises(OSError):
-        await tier.write(hexkey("a"), chunk_view(make_chunk(1)))
+        await write_chunk(tier, hexkey("a"), chunk_view(make_chunk(1)))
     assert tier.stats.errors == 1
     assert tier.stats.writes == 0
-    assert not tier.holds(hexkey("a"))
+    assert not backend.holds(hexkey("a"))
     assert not backend.path_for(hexkey("a")).exists()
     assert temporaries_under(backend.root) == []
 
@@ -827,7 +823,7 @@ async def test_tier_prefix_count(disk: DiskBackend):
     tier = make_tier(disk, "zstd")
     keys = [hexkey(i) for i in range(4)]
     for i, key in enumerate(keys[:3]):
-        await tier.write(key, chunk_view(make_chunk(i)))
+        await write_chunk(tier, key, chunk_view(make_chunk(i)))
     assert await tier.prefix_count(keys) == 3
     assert await tier.prefix_count([keys[3], *keys[:3]]) == 0
 
@@ -835,7 +831,7 @@ async def test_tier_prefix_count(disk: DiskBackend):
 # == the Backend base class's defaults =========================================================
 
 
-async def test_base_get_into_get_many_and_prefix_count():
+async def test_base_get_into_gets_and_prefix_count():
     backend = MemoryBackend()
     await backend.set("k1", [b"abc", b"defgh"])
     await backend.set("k2", [b"z"])
@@ -844,7 +840,7 @@ async def test_base_get_into_get_many_and_prefix_count():
     assert bytes(first) == b"abc"
     assert bytes(second[:5]) == b"defgh" and bytes(second[5:]) == bytes(5)
     assert await backend.get_into("nope", [memoryview(bytearray(1))]) is None
-    assert await backend.get_many(["k2", "nope", "k1"]) == [b"z", None, b"abcdefgh"]
+    assert await asyncio.gather(*(backend.get(k) for k in ["k2", "nope", "k1"])) == [b"z", None, b"abcdefgh"]
     assert await backend.prefix_count(["k1", "k2", "nope", "k1"]) == 2
     assert await backend.prefix_count([]) == 0
     assert backend.stats() == {}
@@ -855,12 +851,11 @@ async def test_tier_over_a_backend_without_scatter_reads(codec: str):
     backend = MemoryBackend()
     tier = make_tier(backend, codec)
     key, chunk = hexkey("mem"), make_chunk(9)
-    await tier.write(key, chunk_view(chunk))
-    assert not tier.holds(key)  # no cheap holds(): the tier cannot know without I/O
+    await write_chunk(tier, key, chunk_view(chunk))
     out = bytearray(LAYOUT.chunk_nbytes)
-    assert await tier.read_into(key, memoryview(out))
+    assert await read_chunk(tier, key, memoryview(out))
     assert bytes(out) == chunk_view(chunk).tobytes()
     backend.objects[key] = backend.objects[key][:-1]
-    assert not await tier.read_into(key, memoryview(out))
+    assert not await read_chunk(tier, key, memoryview(out))
     assert tier.stats.corrupt == 1
     assert key not in backend.objects

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TEST_BUCKET
+from support import TEST_BUCKET
 
 from kvstore.devtools.servers import RedisServer, SeaweedFSServer
 from kvstore.sizing.traces import read_trace

@@ -21,19 +21,19 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from support import TEST_BUCKET, raw_s3_client
 from typer.testing import CliRunner
 
 from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.backends import make_backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.cli import app
 from kvstore.cli.admin import EXIT_DAMAGED, EXIT_DECLINED, EXIT_OK, EXIT_USAGE
 from kvstore.cli.inventory import Retention, namespace_filter, plan_gc, run_gc, tool_backends
 from kvstore.codecs import make_codec
 from kvstore.config import TimeoutConfig
-from kvstore.engine.store import remote_backend
 from kvstore.keys import namespace_dir
 from kvstore.storage.tier import ChunkTier
-from tests.conftest import TEST_BUCKET, raw_s3_client
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # ~5 KB objects (a 4 KiB header)
 MANY = 10_000
@@ -91,7 +91,7 @@ def backend_for(setup: Setup, tier: str, namespace: str):
     directory = namespace_dir(namespace)
     if tier == "disk":
         return DiskBackend(setup.disk_root, 1 << 40, namespace=directory)
-    return remote_backend(getattr(setup.config, tier), TimeoutConfig(), directory)
+    return make_backend(getattr(setup.config, tier), TimeoutConfig(), directory)
 
 
 def write_chunks(setup: Setup, tier: str, namespace: str, keys: list[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEST_BUCKET
+from support import TEST_BUCKET
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
 from kvstore.errors import PrefetchError

@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.backends.redis import RedisBackend, mask_url
 from kvstore.devtools.servers import RedisClusterServer, RedisServer
+from kvstore.testing import listed_keys
 from kvstore.util.buffers import Buffer
 
 TTL = 100.0
@@ -285,11 +286,9 @@ async def test_cluster_pipelines_span_all_nodes(
     assert await backend.prefix_count([missing, *keys]) == 0
     assert await backend.get_many([]) == [] and await backend.prefix_count([]) == 0
 
-    listed = [key async for key in backend.list_keys()]  # SCAN on every primary
+    listed = await listed_keys(backend)  # SCAN on every primary
     assert sorted(listed) == sorted(keys)
-    assert sorted([key async for key in backend.list_keys(keys[0][:3])]) == sorted(
-        k for k in keys if k.startswith(keys[0][:3])
-    )
+    assert sorted(await listed_keys(backend, keys[0][:3])) == sorted(k for k in keys if k.startswith(keys[0][:3]))
 
 
 async def test_list_keys_escapes_glob_characters(
@@ -299,8 +298,8 @@ async def test_list_keys_escapes_glob_characters(
     near = make_backend(server.url, prefix="kv1xx")  # would match the unescaped pattern kv[1]*?:*
     await odd.set(chunk_key(20), [b"a"])
     await near.set(chunk_key(21), [b"b"])
-    assert [key async for key in odd.list_keys()] == [chunk_key(20)]
-    assert [key async for key in odd.list_keys("*")] == []
+    assert await listed_keys(odd) == [chunk_key(20)]
+    assert await listed_keys(odd, "*") == []
 
 
 # -- passwords ----------------------------------------------------------------------------------
@@ -494,4 +493,4 @@ async def test_cluster_survives_losing_a_node(make_backend: Callable[..., RedisB
             await backend.set(key, [key.encode()])
         assert await backend.get_many(keys) == [key.encode() for key in keys]
         assert await backend.prefix_count(keys) == len(keys)
-        assert sorted([key async for key in backend.list_keys()]) == sorted(keys)
+        assert sorted(await listed_keys(backend)) == sorted(keys)

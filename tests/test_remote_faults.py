@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import TEST_BUCKET, raw_s3_client, start_server
+from support import TEST_BUCKET, raw_s3_client, start_server
 
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.devtools.servers import DevServer, RedisClusterServer, RedisServer, SeaweedFSServer

@@ -11,7 +11,7 @@ import sys
 import uuid
 
 import pytest
-from conftest import TEST_BUCKET
+from support import TEST_BUCKET
 
 ENGINE = r"""
 import asyncio, json, sys

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TEST_BUCKET
+from support import TEST_BUCKET
 
 from kvstore import StoreConfig, SyncKVStore
 from tests.vllm_support.prompts import prompt

@@ -42,7 +42,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstore.backends.base import LIST_PAGE, Backend, ByteRange, Progress, RemoveReport, StoredObject
+from kvstore.backends.base import Backend, ByteRange, Scatter
+from kvstore.backends.maintenance import LIST_PAGE, RemoveReport, StoredObject, pages
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 
@@ -80,8 +81,10 @@ def _secrets(url: str) -> list[str]:
 
 
 class RedisBackend(Backend):
+    """One server or a Cluster (see the module docstring); every call bounded by ``operation_timeout``."""
+
     name = "redis"
-    supports_partial_reads = True
+    age_basis = "last access"  # Redis keeps each key's idle time; reads and writes restart it
 
     def __init__(
         self,
@@ -225,28 +228,26 @@ class RedisBackend(Backend):
 
     # -- the Backend interface ---------------------------------------------------------------
 
-    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        """The value or a half-open range of it (GETRANGE, inclusive end); None if absent.
+    async def fetch(self, key: str, byte_range: ByteRange | None) -> bytes | None:
+        """GET, or GETRANGE (whose end is inclusive) for a range.
 
         With a TTL, a full read (GETEX) and a range read from offset 0 (a layer-streamed load
-        starts with the header) refresh it, so hot chunks stay. GETRANGE answers b"" for a
-        missing key; a container is never empty, so b"" for a non-empty range is a miss (as is
-        a range wholly past the end of a value).
+        starts with the header) refresh it, so hot chunks stay. GETRANGE answers b"" both for a
+        missing key and for a range past the end of a value: an empty answer is settled by the
+        key's presence (the PEXPIRE's reply, or one EXISTS; a rare case, so not asked up front).
         """
         name, ttl = self._name(key), self._ttl_ms
         if byte_range is None:
             data = await self._call("GET", lambda c: c.get(name) if ttl is None else c.getex(name, px=ttl))
         else:
             start, end = byte_range
-            if start < 0 or end < start:
-                raise ValueError(f"bad byte range {byte_range!r}")
-            if end == start:
-                return b"" if await self.exists(key) else None
+            present: bool | None = None
             if ttl is not None and start == 0:
-                data = (await self._pipe("GETRANGE", lambda p: p.getrange(name, 0, end - 1).pexpire(name, ttl)))[0]
+                data, present = await self._pipe("GETRANGE", lambda p: p.getrange(name, 0, end - 1).pexpire(name, ttl))
             else:
                 data = await self._call("GETRANGE", lambda c: c.getrange(name, start, end - 1))
-            data = data or None
+            if not data:
+                data = b"" if (await self.exists(key) if present is None else present) else None
         self.bytes_in += len(data or b"")
         return data
 
@@ -271,15 +272,10 @@ class RedisBackend(Backend):
         size, *pieces = await self._pipe("GETRANGE", fill, transaction=True)
         if not size:
             return None
-        index = offset = 0
+        scatter = Scatter(views)
         for piece in pieces[: len(pieces) - (ttl is not None)]:
-            source = memoryview(piece)
-            while len(source) and index < len(views):
-                take = min(len(views[index]) - offset, len(source))
-                views[index][offset : offset + take] = source[:take]
-                source, offset, self.bytes_in = source[take:], offset + take, self.bytes_in + take
-                if offset == len(views[index]):
-                    index, offset = index + 1, 0
+            scatter.write(piece)
+        self.bytes_in += scatter.copied
         return int(size)
 
     async def set(self, key: str, parts: Sequence[Buffer]) -> None:
@@ -287,10 +283,9 @@ class RedisBackend(Backend):
 
         One part is sent as it is. On a single server, several parts go out as they are, in one
         hand-built request (see :func:`_set_parts`). On a Cluster they are gathered into a reused
-        scratch buffer: with the
-        tier's fresh header + 30 layer parts, ``b"".join`` ran 2-6 MiB SETs at 0.4-0.7 GB/s and
-        the warm buffer at 1.1-2.4 GB/s here (equal from ~24 MiB). A buffer is reused only after
-        a SET that succeeded: the reply means every byte was sent, so nothing refers to it.
+        scratch buffer: with the tier's fresh header + 30 layer parts, ``b"".join`` ran 2-6 MiB
+        SETs at 0.4-0.7 GB/s and the warm buffer at 1.1-2.4 GB/s here (equal from ~24 MiB). A
+        buffer is reused only after a SET that succeeded: the reply means every byte was sent.
         """
         views = [as_bytes_view(part) for part in parts]
         name, size, ttl = self._name(key), sum(len(view) for view in views), self._ttl_ms
@@ -300,10 +295,9 @@ class RedisBackend(Backend):
             await self._call("SET", lambda c: _set_parts(c, name, views, size, ttl))
         else:
             scratch = self._take_scratch(size)
-            position = 0
+            gather = Scatter([scratch])
             for view in views:
-                scratch[position : position + len(view)] = view
-                position += len(view)
+                gather.write(view)
             value = memoryview(scratch)[:size]
             await self._call("SET", lambda c: c.set(name, value, px=ttl))
             if len(self._scratch) < SCRATCH_BUFFERS:
@@ -326,15 +320,11 @@ class RedisBackend(Backend):
         name = self._name(key)
         await self._call("DEL", lambda c: c.delete(name))
 
-    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
-        """SCAN with MATCH (on a Cluster redis-py scans every primary); each batch under the deadline."""
-        pattern = f"{self._name(prefix).translate(_GLOB_SPECIALS)}*"  # namespace directories hold no specials
-        strip = len(self._name(""))
-        async for name in self._scan_names(pattern):
-            yield name[strip:]
-
     async def _scan_names(self, pattern: str) -> AsyncIterator[str]:
-        """Every name matching ``pattern``, by SCAN (never KEYS), each batch under the deadline."""
+        """Every name matching ``pattern``, by SCAN (never KEYS; on a Cluster redis-py scans every primary).
+
+        Each batch runs under the deadline.
+        """
         scan: Any = self._connect().scan_iter(match=pattern, count=LIST_PAGE)  # an async generator
         try:
             while True:
@@ -347,7 +337,7 @@ class RedisBackend(Backend):
             await scan.aclose()
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Every value in one pipeline of GETs (GETEX, refreshing the TTL, when one is set)."""
+        """Every value in one pipeline of GETs (GETEX, refreshing the TTL, when one is set): one round trip."""
         if not keys:
             return []
         names, ttl = [self._name(key) for key in keys], self._ttl_ms
@@ -367,8 +357,6 @@ class RedisBackend(Backend):
         return {name: getattr(self, name) for name in names}
 
     # -- for the operator's tools: every namespace ----------------------------------------------
-
-    age_basis = "last access"  # Redis keeps each key's idle time; reads and writes restart it
 
     async def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
         """SCAN (never KEYS) a thousand names at a time, then one pipeline of OBJECT IDLETIME and
@@ -419,16 +407,14 @@ class RedisBackend(Backend):
         """Reading restarted the key's idle time, so the removal checks the bytes read instead."""
         return dataclasses.replace(item, version=("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest()))
 
-    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
-        """A pipeline of a thousand small scripts, each an atomic check-then-UNLINK of one key.
+    async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
+        """Per batch, a pipeline of a thousand small scripts, each an atomic check-then-UNLINK of one key.
 
         The check: the key's idle time shows no access since the listing (or, after ``verify``
         read it, its bytes are the ones read). One key per script: on a Cluster a script may only
         touch keys of one slot.
         """
-        total = RemoveReport()
-        for start in range(0, len(items), LIST_PAGE):
-            batch = items[start : start + LIST_PAGE]
+        for batch in pages(items):
             now = time.monotonic()
             conditions = [_condition(item, now) for item in batch]
 
@@ -452,10 +438,7 @@ class RedisBackend(Backend):
                     report.changed += 1
                 else:
                     report.gone += 1
-            total.add(report)
-            if progress is not None:
-                progress(report)
-        return total
+            yield report
 
 
 # KEYS[1]: the chunk. ARGV: "idle" and the least idle seconds it must show, or "sha1" and its bytes' SHA-1.

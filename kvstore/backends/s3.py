@@ -24,7 +24,8 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
-from kvstore.backends.base import Backend, ByteRange, Progress, RemoveReport, StoredObject
+from kvstore.backends.base import Backend, ByteRange, Scatter
+from kvstore.backends.maintenance import RemoveReport, StoredObject
 from kvstore.errors import S3BackendError
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
@@ -39,10 +40,11 @@ _COUNTERS = ("requests", "retries", "bytes_uploaded", "bytes_downloaded", "multi
 
 
 class S3Backend(Backend):
+    """One bucket (and a prefix in it); see the module docstring."""
+
     name = "s3"
     # A GET costs a few ms before its first byte (4 ms on moto here, 10-30 ms on AWS): worth ~4 MiB.
     range_request_bytes = 4 << 20
-    supports_partial_reads = True
 
     def __init__(
         self,
@@ -181,9 +183,8 @@ class S3Backend(Backend):
 
     # -- reads -------------------------------------------------------------------------------
 
-    async def get(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        if byte_range is not None and byte_range[1] <= byte_range[0]:  # an empty range cannot be asked for
-            return b"" if await self.exists(key) else None
+    async def fetch(self, key: str, byte_range: ByteRange | None) -> bytes | None:
+        """GetObject, with a Range header for a range (S3 clips it at the object's end)."""
         async with self._limit:
             try:
                 response = await self._get_object(key, byte_range)
@@ -207,20 +208,11 @@ class S3Backend(Backend):
             response = await self._get_object(key, None)
             if response is None:
                 return None
-            size, got = int(response["ContentLength"]), 0
-            targets = [as_bytes_view(buffer) for buffer in buffers if len(buffer)]
-            index = position = 0
+            size, got, scatter = int(response["ContentLength"]), 0, Scatter(buffers)
             async with response["Body"] as body:
                 async for chunk in _chunks(body):
                     got += len(chunk)
-                    view = memoryview(chunk)
-                    while len(view) and index < len(targets):
-                        target = targets[index]
-                        take = min(len(view), len(target) - position)
-                        target[position : position + take] = view[:take]
-                        view, position = view[take:], position + take
-                        if position == len(target):
-                            index, position = index + 1, 0
+                    scatter.write(chunk)
         if got != size:
             raise IncompleteReadError(actual_bytes=got, expected_bytes=size)
         self.bytes_downloaded += got
@@ -270,14 +262,6 @@ class S3Backend(Backend):
             else:
                 absent = middle
         return present + 1
-
-    async def list_keys(self, prefix: str = "") -> AsyncIterator[str]:
-        """This namespace's keys."""
-        async for page in self._list_pages(self._own + prefix):
-            for entry in page:
-                key = entry["Key"][len(self._own) :]
-                if _KEY_PATTERN.fullmatch(key):
-                    yield key
 
     async def _list_pages(self, prefix: str, delimiter: str | None = None) -> AsyncIterator[list[dict[str, Any]]]:
         """ListObjectsV2 page by page (1000 entries each); with a delimiter, the common prefixes instead."""
@@ -334,15 +318,15 @@ class S3Backend(Backend):
         self.bytes_downloaded += len(data)
         return data
 
-    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+    async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
         """List each namespace again, then DeleteObjects (1000 a request) what is still as first listed.
 
         S3 has no delete conditional on the modification time for general-purpose buckets (an
         ETag condition would not do: a rewritten chunk has the same bytes, so the same ETag), so
         the check is a fresh listing, page by page, each page's deletes sent right after it: a
         write is missed only if it lands in the milliseconds between a page and its delete.
+        A batch is a listing page; the objects no listing shows any more come last, as gone.
         """
-        total = RemoveReport()
         wanted: dict[str, dict[str, StoredObject]] = {}
         for item in items:
             wanted.setdefault(item.namespace, {})[item.key] = item
@@ -360,17 +344,11 @@ class S3Backend(Backend):
                 if doomed:
                     report.add(await self._delete_batch(doomed))
                 if report.handled:
-                    total.add(report)
-                    if progress is not None:
-                        progress(report)
+                    yield report
                 if not victims:
                     break
             if victims:  # not listed again: gone already
-                report = RemoveReport(gone=len(victims))
-                total.add(report)
-                if progress is not None:
-                    progress(report)
-        return total
+                yield RemoveReport(gone=len(victims))
 
     async def _delete_batch(self, doomed: list[StoredObject]) -> RemoveReport:
         """One DeleteObjects (at most 1000 keys, one listing page); per-key failures are reported."""

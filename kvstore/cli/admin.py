@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstore.backends.base import RemoveReport
+from kvstore.backends import RemoveReport
 from kvstore.cli import inventory as admin
 from kvstore.config import StoreConfig, human_bytes
 from kvstore.errors import ConfigError

@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
-from kvstore.backends.base import Backend, Progress, RemoveReport, StoredObject
-from kvstore.backends.disk import DiskBackend
+from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
 from kvstore.config import StoreConfig
 from kvstore.errors import ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
@@ -47,8 +46,6 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
     The disk backend is not opened: opening scans for its LRU index and evicts to its budget,
     which is an engine's business, not a listing's. A bucket is never created here.
     """
-    from kvstore.engine.store import remote_backend
-
     names = list(tiers) if tiers else enabled_tiers(config)
     for name in names:
         if name not in TIERS:
@@ -61,16 +58,13 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
     backends: dict[str, Backend] = {}
     async with AsyncExitStack() as stack:
         for name in names:
-            if name == "disk":
-                backends[name] = DiskBackend(config.disk.path, int(config.disk.capacity))
-                continue
             section = getattr(config, name)
             if name == "s3":
                 section = section.model_copy(update={"create_bucket": False})
-            backend = remote_backend(section, config.timeouts)
-            await backend.open()
-            stack.push_async_callback(backend.close)
-            backends[name] = backend
+            backends[name] = backend = make_backend(section, config.timeouts)
+            if name != "disk":
+                await backend.open()
+                stack.push_async_callback(backend.close)
         yield backends
 
 

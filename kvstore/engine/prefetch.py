@@ -24,7 +24,7 @@ import torch
 from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.storage.tier import LayerReader
+from kvstore.storage.layer_reader import LayerReader
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
 
@@ -193,7 +193,7 @@ class LayerStream:
             if outcome is None:
                 reader.count(layer)
             else:
-                await reader.tier._account(reader.key, outcome)  # counted; a corrupt file is removed
+                await reader.tier.account(reader.key, outcome)  # counted; a corrupt file is removed
                 failed = failed or reader
         if failed is not None:
             raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk")

@@ -21,15 +21,14 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvstore.backends.base import Backend
-from kvstore.backends.disk import DiskBackend
+from kvstore.backends import make_backend
 from kvstore.codecs import make_codec
-from kvstore.config import RedisConfig, S3Config, StoreConfig, TimeoutConfig
+from kvstore.config import StoreConfig
 from kvstore.engine import metrics
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.prefetch import LayerStream
 from kvstore.errors import StoreClosedError, TierTimeout
-from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey, chunk_keys, key_to_bytes, namespace_dir
+from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker, store_advice
 from kvstore.sizing.advice import Advice, Policy
@@ -89,21 +88,21 @@ class KVStore:
 
     def _tiers_from_config(self) -> list[ChunkTier]:
         """Fastest first: disk, then Redis, then S3 (each enabled in the config)."""
-        config, tiers = self.config, []
+        config = self.config
         directory = namespace_dir(self.namespace)  # objects are stored per namespace: see kvstore gc
         key = config.encryption.resolve_key()
         cipher = ChunkCipher(key) if key is not None else None
-        if config.disk.enabled:
-            disk = config.disk
-            backend = DiskBackend(
-                disk.path, int(disk.capacity), fsync=disk.fsync, executor=self._executor, namespace=directory
+        return [
+            ChunkTier(
+                make_backend(section, config.timeouts, directory, executor=self._executor),
+                make_codec(section.codec),
+                self.layout,
+                self._executor,
+                cipher=cipher,
             )
-            tiers.append(ChunkTier(backend, make_codec(disk.codec), self.layout, self._executor, cipher=cipher))
-        for remote in (config.redis, config.s3):
-            if remote.enabled:
-                backend = remote_backend(remote, config.timeouts, directory)
-                tiers.append(ChunkTier(backend, make_codec(remote.codec), self.layout, self._executor, cipher=cipher))
-        return tiers
+            for section in (config.disk, config.redis, config.s3)
+            if section.enabled
+        ]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -500,38 +499,3 @@ class KVStore:
                 f"([layers, planes, tokens, heads, head_dim]), got {tensor.dtype} {tuple(tensor.shape)}"
             )
 
-
-def remote_backend(
-    remote: S3Config | RedisConfig, timeouts: TimeoutConfig, namespace: str = DEFAULT_NAMESPACE
-) -> Backend:
-    """The backend a remote config section describes (imported here: only used tiers load their client)."""
-    if isinstance(remote, S3Config):
-        from kvstore.backends.s3 import S3Backend
-
-        return S3Backend(
-            remote.bucket,
-            prefix=remote.prefix,
-            endpoint_url=remote.endpoint_url,
-            region=remote.region,
-            addressing_style=remote.addressing_style,
-            max_concurrency=remote.max_concurrency,
-            multipart_threshold=int(remote.multipart_threshold),
-            part_size=int(remote.part_size),
-            max_attempts=remote.max_attempts,
-            connect_timeout=remote.connect_timeout,
-            read_timeout=max(timeouts.get, timeouts.put),
-            create_bucket=remote.create_bucket,
-            namespace=namespace,
-        )
-    from kvstore.backends.redis import RedisBackend
-
-    return RedisBackend(
-        remote.url,
-        cluster=remote.cluster,
-        prefix=remote.prefix,
-        ttl=remote.ttl,
-        max_connections=remote.max_connections,
-        connect_timeout=remote.connect_timeout,
-        socket_timeout=timeouts.get,
-        namespace=namespace,
-    )

@@ -21,7 +21,7 @@ Stored objects are data, never code: nothing here unpickles.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -155,13 +155,24 @@ def header_length(prefix: Buffer) -> int:
     return header_len
 
 
-def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCipher | None = None) -> ChunkHeader:
-    """Check the header against ``layout``, ``key`` and ``cipher``; ``data`` may hold more than the header.
+class _Fields(NamedTuple):
+    """A header's fixed part, checked on its own terms (no layout needed)."""
 
-    A store with a cipher accepts only chunks sealed under its key; a store without one only
-    plain chunks (else anyone who can write to the bucket could plant KV past the encryption).
+    header_len: int
+    fingerprint: bytes
+    key: bytes
+    token_count: int
+    num_layers: int
+    codec_len: int
+    encrypted: bool
+
+
+def _checked_fields(view: memoryview) -> _Fields:
+    """The fixed part of the header at the start of ``view``, once the header proves whole and intact.
+
+    Checks what a header says about itself: magic, version and flags, counts, its length, and
+    its checksum. Raises ChunkFormatError.
     """
-    view = as_bytes_view(data)
     if len(view) < _FIXED.size:
         raise ChunkFormatError(f"object is {len(view)} bytes, shorter than a chunk header")
     magic, version, flags, header_len, fingerprint, stored_key, tokens, n_layers, codec_len = _FIXED.unpack_from(view)
@@ -178,36 +189,78 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCip
     body_end = header_len - _CHECKSUM.size
     if _CHECKSUM.unpack_from(view, body_end)[0] != checksum(view[:body_end]):
         raise ChunkFormatError("header checksum mismatch")
-    if fingerprint != layout.fingerprint:
-        raise ChunkFormatError("chunk was written for another model layout")
-    if stored_key != key_to_bytes(key):
-        raise ChunkFormatError("chunk holds another key")
-    if n_layers != layout.num_layers or tokens != layout.chunk_tokens:
-        raise ChunkFormatError("chunk shape does not match the layout")
-    codec_start = _FIXED.size
+    return _Fields(header_len, fingerprint, stored_key, tokens, n_layers, codec_len, encrypted)
+
+
+def _codec_name(view: memoryview, fields: _Fields) -> str:
+    """The codec the header names, if this build knows it."""
+    start = _FIXED.size
     try:
-        codec = _codec_named(bytes(view[codec_start : codec_start + codec_len]).decode("ascii"))
+        name = bytes(view[start : start + fields.codec_len]).decode("ascii")
+        _codec_named(name)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChunkFormatError(f"unknown codec in header: {exc}") from None
-    table_start = codec_start + codec_len + (KEY_ID_BYTES if encrypted else 0)
-    if encrypted and cipher is None:
-        raise ForeignChunkError("chunk is encrypted and this store has no encryption key")
-    if cipher is not None and not encrypted:
-        raise ForeignChunkError("chunk is not encrypted and this store requires encryption")
-    if cipher is not None and bytes(view[codec_start + codec_len : table_start]) != cipher.key_id:
-        raise ForeignChunkError("chunk was encrypted under another key")
-    table = struct.unpack_from(f"<{4 * n_layers}Q", view, table_start)
+    return name
+
+
+def _segment_table(view: memoryview, fields: _Fields, raw_len: int | None) -> tuple[Segment, ...]:
+    """The segment table: consecutive segments, each of ``raw_len`` bytes decoded (None: as the first one's)."""
+    table_start = _FIXED.size + fields.codec_len + (KEY_ID_BYTES if fields.encrypted else 0)
+    table = struct.unpack_from(f"<{4 * fields.num_layers}Q", view, table_start)
     segments = tuple(Segment._make(table[i : i + 4]) for i in range(0, len(table), 4))
-    offset = 0
-    for i, seg in enumerate(segments):
-        if seg.offset != offset or seg.raw_len != layout.layer_nbytes:
+    expected_raw, offset = segments[0].raw_len if raw_len is None else raw_len, 0
+    for i, segment in enumerate(segments):
+        if segment.offset != offset or segment.raw_len != expected_raw:
             raise ChunkFormatError(f"segment table entry {i} is inconsistent")
-        offset += seg.stored_len
-    return ChunkHeader(header_len, codec, tokens, segments, offset, cipher, bytes(stored_key))
+        offset += segment.stored_len
+    return segments
+
+
+def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCipher | None = None) -> ChunkHeader:
+    """Check the header against ``layout``, ``key`` and ``cipher``; ``data`` may hold more than the header.
+
+    A store with a cipher accepts only chunks sealed under its key; a store without one only
+    plain chunks (else anyone who can write to the bucket could plant KV past the encryption).
+    """
+    view = as_bytes_view(data)
+    fields = _checked_fields(view)
+    if fields.fingerprint != layout.fingerprint:
+        raise ChunkFormatError("chunk was written for another model layout")
+    if fields.key != key_to_bytes(key):
+        raise ChunkFormatError("chunk holds another key")
+    if fields.num_layers != layout.num_layers or fields.token_count != layout.chunk_tokens:
+        raise ChunkFormatError("chunk shape does not match the layout")
+    codec = _codec_named(_codec_name(view, fields))
+    if fields.encrypted and cipher is None:
+        raise ForeignChunkError("chunk is encrypted and this store has no encryption key")
+    if cipher is not None and not fields.encrypted:
+        raise ForeignChunkError("chunk is not encrypted and this store requires encryption")
+    key_id_start = _FIXED.size + fields.codec_len
+    if cipher is not None and bytes(view[key_id_start : key_id_start + KEY_ID_BYTES]) != cipher.key_id:
+        raise ForeignChunkError("chunk was encrypted under another key")
+    segments = _segment_table(view, fields, layout.layer_nbytes)
+    payload_len = segments[-1].offset + segments[-1].stored_len
+    return ChunkHeader(fields.header_len, codec, fields.token_count, segments, payload_len, cipher, fields.key)
+
+
+def verify_segments(segments: Sequence[Segment], payload: Buffer, layers: Iterable[int]) -> None:
+    """Check the stored bytes of ``layers`` in ``payload`` (laid out as the table says, offsets from its start).
+
+    The one checksum loop: of a whole object (``kvstore verify``), of a payload received in place,
+    of a batch of layers read from a file. Raises ChunkFormatError naming the first bad layer.
+    """
+    view = as_bytes_view(payload)
+    for layer in layers:
+        segment = segments[layer]
+        _check_segment(segment, layer, view[segment.offset : segment.offset + segment.stored_len])
 
 
 def verify_segment(header: ChunkHeader, layer: int, stored: Buffer) -> None:
-    segment = header.segments[layer]
+    """Check one layer's stored bytes, read on their own, against the header's table."""
+    _check_segment(header.segments[layer], layer, stored)
+
+
+def _check_segment(segment: Segment, layer: int, stored: Buffer) -> None:
     if len(stored) != segment.stored_len or checksum(stored) != segment.checksum:
         raise ChunkFormatError(f"layer {layer} failed its checksum")
 
@@ -273,40 +326,13 @@ def check_stored_chunk(data: Buffer, key: ChunkKey) -> StoredChunk:
     chunk's checksums cover its sealed bytes, so no key is needed). Raises ChunkFormatError.
     """
     view = as_bytes_view(data)
-    header_len = header_length(view)
-    if len(view) < header_len:
-        raise ChunkFormatError(f"object is {len(view)} bytes, shorter than its {header_len}-byte header")
-    _, version, flags, _, fingerprint, stored_key, tokens, n_layers, codec_len = _FIXED.unpack_from(view)
-    encrypted = bool(flags & FLAG_ENCRYPTED)
-    if version != VERSION or flags & ~FLAG_ENCRYPTED:
-        raise ChunkFormatError(f"unsupported chunk format version {version} (flags {flags})")
-    if not 0 < n_layers <= MAX_LAYERS or not 0 < codec_len <= MAX_CODEC_NAME:
-        raise ChunkFormatError("header counts out of range")
-    if header_len != header_size(n_layers, "x" * codec_len, encrypted):
-        raise ChunkFormatError(f"header length {header_len} is inconsistent")
-    body_end = header_len - _CHECKSUM.size
-    if _CHECKSUM.unpack_from(view, body_end)[0] != checksum(view[:body_end]):
-        raise ChunkFormatError("header checksum mismatch")
-    if stored_key != key_to_bytes(key):
+    fields = _checked_fields(view)
+    if fields.key != key_to_bytes(key):
         raise ChunkFormatError("chunk holds another key")
-    try:
-        codec = bytes(view[_FIXED.size : _FIXED.size + codec_len]).decode("ascii")
-        _codec_named(codec)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ChunkFormatError(f"unknown codec in header: {exc}") from None
-    table_start = _FIXED.size + codec_len + (KEY_ID_BYTES if encrypted else 0)
-    table = struct.unpack_from(f"<{4 * n_layers}Q", view, table_start)
-    segments = [Segment._make(table[i : i + 4]) for i in range(0, len(table), 4)]
-    offset = 0
-    for i, segment in enumerate(segments):
-        if segment.offset != offset or segment.raw_len != segments[0].raw_len:
-            raise ChunkFormatError(f"segment table entry {i} is inconsistent")
-        offset += segment.stored_len
-    if len(view) != header_len + offset:
-        raise ChunkFormatError(f"object is {len(view)} bytes, header says {header_len + offset}")
-    payload = view[header_len:]
-    for layer, segment in enumerate(segments):
-        stored = payload[segment.offset : segment.offset + segment.stored_len]
-        if checksum(stored) != segment.checksum:
-            raise ChunkFormatError(f"layer {layer} failed its checksum")
-    return StoredChunk(fingerprint.hex(), codec, n_layers, tokens, encrypted)
+    codec = _codec_name(view, fields)
+    segments = _segment_table(view, fields, raw_len=None)
+    total = fields.header_len + segments[-1].offset + segments[-1].stored_len
+    if len(view) != total:
+        raise ChunkFormatError(f"object is {len(view)} bytes, header says {total}")
+    verify_segments(segments, view[fields.header_len :], range(len(segments)))
+    return StoredChunk(fields.fingerprint.hex(), codec, fields.num_layers, fields.token_count, fields.encrypted)

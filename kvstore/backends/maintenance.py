@@ -1,0 +1,109 @@
+"""The operator's side of a backend: what ``kvstore ls``, ``stats``, ``gc`` and ``verify`` need.
+
+Apart from the data path (:mod:`kvstore.backends.base`), because it works differently: on every
+namespace at once rather than on the engine's own, on listings rather than on keys an engine
+computed, and beside live engines, so a removal spares an object that changed since it was
+listed. A backend the tools should serve implements :meth:`Maintenance.scan`,
+:meth:`~Maintenance.read_object` and :meth:`~Maintenance.remove_unchanged_batches`; the batch
+loop of :meth:`~Maintenance.remove_unchanged` (totals and progress) is written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
+
+T = TypeVar("T")
+
+LIST_PAGE = 1000  # objects per listing page and per batch delete (S3 DeleteObjects takes at most 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """A chunk object as a listing saw it: enough to choose it, and to delete it only if unchanged."""
+
+    namespace: str  # its namespace directory (kvstore.keys.namespace_dir)
+    key: str
+    size: int  # bytes the tier spends on it
+    when: float  # Unix time of its last write, or of its last access where the tier records one
+    version: tuple[object, ...]  # this exact object: a rewrite (and, where recorded, an access) changes it
+
+
+@dataclass
+class RemoveReport:
+    """What a batch delete did; tools add these up for their summary."""
+
+    removed: int = 0
+    removed_bytes: int = 0
+    changed: int = 0  # rewritten or used since it was listed: kept
+    gone: int = 0  # already absent (evicted, expired, another gc): nothing to do
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: RemoveReport) -> None:
+        """Fold ``other`` into this report (a total over batches)."""
+        self.removed += other.removed
+        self.removed_bytes += other.removed_bytes
+        self.changed += other.changed
+        self.gone += other.gone
+        self.errors.extend(other.errors)
+
+    @property
+    def handled(self) -> int:
+        """Objects this report accounts for, whatever became of them."""
+        return self.removed + self.changed + self.gone + len(self.errors)
+
+
+Progress = Callable[[RemoveReport], None]
+"""Called after each batch of a removal with that batch's report (for progress bars)."""
+
+
+def pages(items: Sequence[T], size: int = LIST_PAGE) -> Iterator[Sequence[T]]:
+    """``items`` in consecutive slices of at most ``size``: the batches of a removal."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class Maintenance:
+    """The tools' interface to a backend. Defaults raise NotImplementedError: a backend the tools cannot serve."""
+
+    name: ClassVar[str]
+    # What StoredObject.when means here: "last write" or "last access" (reads refresh it).
+    age_basis: ClassVar[str] = "last write"
+
+    def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
+        """Every chunk object of every namespace ``namespaces`` accepts (default all), a page at a time."""
+        raise NotImplementedError(f"the {self.name} backend cannot be listed by the kvstore tools")
+
+    async def read_object(self, item: StoredObject) -> bytes | None:
+        """The listed object's bytes (None if it is gone), for ``kvstore verify``."""
+        raise NotImplementedError(f"the {self.name} backend cannot be read by the kvstore tools")
+
+    def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
+        """``item`` as :meth:`read_object` found it, for a removal that must spare a rewritten object.
+
+        The listing's version, unless reading changes what it records (Redis: the idle time).
+        """
+        return item
+
+    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+        """Delete each object only if it is still the one listed (same ``version``), in batches.
+
+        Safe beside live engines: a reader of a removed chunk sees a miss, and a chunk rewritten
+        or (where recorded) read since it was listed is kept, counted as ``changed``. The total
+        of every batch's report; ``progress`` sees each batch's report as it completes.
+        """
+        total = RemoveReport()
+        async for report in self.remove_unchanged_batches(items):
+            total.add(report)
+            if progress is not None:
+                progress(report)
+        return total
+
+    def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
+        """The removal itself, one report per batch (an async generator): what a backend implements.
+
+        Each of ``items`` is accounted for in exactly one report (removed, changed, gone or an
+        error); a batch's failure is reported as errors for its objects, never raised.
+        """
+        raise NotImplementedError(f"the {self.name} backend cannot be cleaned by the kvstore tools")

@@ -1,0 +1,140 @@
+"""One chunk of a tier opened for reads layer by layer: what layer streams (``store.prefetch``) read from.
+
+:meth:`kvstore.storage.tier.ChunkTier.open_layers_many` opens chunks (their headers read and
+checked once); each :class:`LayerReader` then reads one verified layer at a time, a positioned
+read of an open file or a byte-range request, in whatever order the stream asks.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import Protocol
+
+from kvstore.backends.base import Backend, ObjectFile
+from kvstore.errors import ChunkFormatError
+from kvstore.keys import ChunkKey
+from kvstore.layout import KVLayout
+from kvstore.storage.container import ChunkHeader, decode_layer, verify_segment
+from kvstore.storage.stats import TierStats
+from kvstore.util.threads import in_thread
+
+
+class ReaderTier(Protocol):
+    """What a LayerReader uses of the tier it came from (:class:`kvstore.storage.tier.ChunkTier` is one)."""
+
+    name: str
+    layout: KVLayout
+    backend: Backend
+    stats: TierStats
+    executor: Executor | None
+
+    async def account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
+        """Count a read's outcome in the tier's stats; True for a hit (a corrupt object is removed)."""
+        ...
+
+
+class LayerReader:
+    """One chunk of a tier opened for layer-by-layer reads; ``close()`` it when done.
+
+    Disk keeps the file open and reads each segment with one positioned read. Remote tiers
+    issue byte-range requests that may cover the next few layers too (``ahead``): each request
+    costs a round trip (~4 ms on moto), so layer 0 comes with the header, and later requests
+    span as many layers as were fetched before (1, 2, 4, ...), keeping the first layer fast and
+    the request count near ``log2(layers)``. Every segment is verified when it is used.
+    """
+
+    def __init__(
+        self,
+        tier: ReaderTier,
+        key: ChunkKey,
+        header: ChunkHeader,
+        file: ObjectFile | None,
+        first_layer: memoryview | None = None,
+    ) -> None:
+        self.tier, self.key, self.header, self._file = tier, key, header, file
+        # Remote segments received ahead of their layer (layer 0 may come with the header).
+        self._fetched: dict[int, memoryview] = {} if first_layer is None else {0: first_layer}
+        self._layers_fetched = len(self._fetched)
+
+    @property
+    def is_local(self) -> bool:
+        """Reads are blocking file reads (batch them into one thread call with :meth:`read_local`)."""
+        return self._file is not None
+
+    async def read(self, layer: int, out: memoryview, ahead: int = 0) -> None:
+        """Verify and decode layer ``layer`` into ``out``; raises on any problem (not counted).
+
+        A remote read that must make a request fetches up to ``ahead`` further layers with it.
+        """
+        tier = self.tier
+        if self._file is not None:
+            await in_thread(tier.executor, self.read_local, layer, out)
+            return
+        stored = self._fetched.pop(layer, None)
+        if stored is None:
+            stored = await self._fetch_span(layer, min(layer + 1 + ahead, len(self.header.segments)))
+        await in_thread(tier.executor, decode_layer, self.header, tier.layout, layer, stored, out)
+
+    async def _fetch_span(self, first: int, end: int) -> memoryview:
+        """Layers ``first`` to ``end - 1`` in one range request; returns the first, keeps the rest."""
+        segments, base = self.header.segments, self.header.header_len
+        start = base + segments[first].offset
+        stop = base + segments[end - 1].offset + segments[end - 1].stored_len
+        self._layers_fetched += end - first
+        data = await self.tier.backend.get(self.key, (start, stop))
+        if data is None:
+            raise ChunkFormatError(f"layer {first} vanished while the chunk was being read")
+        if len(data) != stop - start:
+            raise ChunkFormatError(f"layers {first}-{end - 1}: {len(data)} bytes, expected {stop - start}")
+        view = memoryview(data)
+        for layer in range(first + 1, end):
+            offset = base + segments[layer].offset - start
+            self._fetched[layer] = view[offset : offset + segments[layer].stored_len]
+        return view[: segments[first].stored_len]
+
+    def next_span(self, layer: int, limit: int) -> int:
+        """Layers to fetch ahead with ``layer``'s request: as many as fetched so far (spans double), at most ``limit``.
+
+        The span also stops at the backend's ``range_request_bytes``: a bigger request would
+        only make the consumer wait longer for its first layer, on a server where a round
+        trip is cheap (Redis here: one layer a request measured best; S3 gains ~3x from spans).
+        """
+        if layer in self._fetched:
+            return 0
+        per_request = self.tier.backend.range_request_bytes
+        cap = max(1, per_request // max(1, self.header.segments[layer].stored_len)) - 1
+        return min(self._layers_fetched, limit, cap)
+
+    async def read_counted(self, layer: int, out: memoryview, ahead: int = 0) -> bool:
+        """``read``, with a failure counted in the tier's stats (a corrupt chunk is removed)."""
+        try:
+            await self.read(layer, out, ahead)
+        except Exception as exc:
+            return await self.tier.account(self.key, exc)
+        self.count(layer)
+        return True
+
+    def count(self, layer: int) -> None:
+        """Add a layer read that succeeded to the tier's stats."""
+        self.tier.stats.bytes_read += self.header.segments[layer].stored_len
+
+    def read_local(self, layer: int, out: memoryview) -> None:
+        """The blocking file read of :meth:`read` (call it from a worker thread)."""
+        assert self._file is not None
+        segment = self.header.segments[layer]
+        start, stored_len = self.header.header_len + segment.offset, segment.stored_len
+        plain = self.header.plain and stored_len == len(out)
+        target = out if plain else memoryview(bytearray(stored_len))
+        if self._file.readinto([target], start) != stored_len:
+            raise ChunkFormatError(f"layer {layer} is truncated")
+        if plain:
+            verify_segment(self.header, layer, out)  # read in place: only the checksum is left
+        else:
+            decode_layer(self.header, self.tier.layout, layer, target, out)
+
+    def close(self) -> None:
+        """Release the file (or the segments fetched ahead); idempotent."""
+        self._fetched.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None

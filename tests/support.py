@@ -1,0 +1,36 @@
+"""Helpers shared by the test modules: real servers, and raw clients that reach under kvstore.
+
+Fixtures stay in ``conftest.py``; test modules import these helpers from here (``from tests.support
+import ...``), never from ``conftest``. Helpers for tiers and listings are in :mod:`kvstore.testing`.
+"""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from kvstore.devtools.servers import DevServer, S3Server
+from kvstore.errors import ServerError
+
+TEST_BUCKET = "kvstore-test"  # made on every session S3 server (conftest.py)
+
+
+def start_server(server: DevServer) -> DevServer:
+    """Start ``server``; a server that cannot start fails the test (remote-tier tests never skip)."""
+    try:
+        return server.start()
+    except ServerError as exc:
+        pytest.fail(f"could not start {server.name} for the remote-tier tests: {exc}", pytrace=False)
+
+
+def raw_s3_client(server: S3Server):  # a boto3 S3 client (boto3 has no static type for it)
+    """A plain boto3 client, for tests that reach under kvstore (making buckets, corrupting objects)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=server.endpoint_url,
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        region_name=server.region,
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5, "mode": "standard"}),
+    )
