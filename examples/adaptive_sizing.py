@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig
-from kvstore.sizing.traces import multi_turn, trace_key
+from kvstore.sizing.traces import trace_key
+from kvstore.sizing.workloads import multi_turn
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)
 CHUNK = LAYOUT.chunk_nbytes

@@ -7,6 +7,8 @@ unknown key fails at start with a :class:`ConfigError` naming the key and what i
 
 from __future__ import annotations
 
+import base64
+import binascii
 import difflib
 import os
 import re
@@ -37,7 +39,7 @@ from pydantic_settings import (
 
 from kvstore.codecs import make_codec
 from kvstore.errors import ConfigError
-from kvstore.storage.crypto import parse_key
+from kvstore.util.units import human_bytes as human_bytes  # re-exported: its home before util/units.py
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
@@ -55,15 +57,6 @@ def _strict_size(value: Any) -> Any:
 
 
 Size = Annotated[ByteSize, BeforeValidator(_strict_size)]
-
-
-def human_bytes(size: float) -> str:
-    """A size as people read it: '512 B', '1.5 MiB', '32.0 GiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
 
 
 def default_cache_dir() -> Path:
@@ -150,6 +143,28 @@ class RedisConfig(_RemoteSection):
     cluster: bool = Field(False, description="the URL names one node of a Redis Cluster")
     ttl: float | None = Field(None, gt=0, description="seconds a chunk lives after its last full read (none: forever)")
     max_connections: int = Field(32, ge=1, le=4096, description="connections in the pool (per node on a cluster)")
+
+
+def parse_key(text: str) -> bytes:
+    """A 128/192/256-bit AES key (encryption at rest) from hex or base64 text; the error never echoes the text."""
+    text = text.strip()
+    key: bytes | None = None
+    if len(text) in (32, 48, 64):
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = None
+    if key is None:
+        try:
+            key = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            key = None
+    if key is None or len(key) not in (16, 24, 32):
+        raise ValueError(
+            "the encryption key must be 16, 24 or 32 bytes written as hex or base64 "
+            '(make one with: python -c "import os; print(os.urandom(32).hex())")'
+        )
+    return key
 
 
 class EncryptionConfig(_Section):

@@ -16,7 +16,7 @@ from kvstore.devtools.bench_adaptive import LAYOUT, ReplayResult, compare_one, l
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError
-from kvstore.sizing import traces
+from kvstore.sizing import traces, workloads
 
 CHUNK = LAYOUT.chunk_nbytes
 
@@ -36,14 +36,14 @@ AUTO = {"auto": True, "interval": 0, "min_references": 4000, "half_life": 20_000
 
 
 async def test_live_store_estimates_the_dram_hit_rate_of_its_own_traffic(tmp_path: Path) -> None:
-    chains = traces.multi_turn(1500, seed=11)
+    chains = workloads.multi_turn(1500, seed=11)
     ids = traces.flatten(chains)
     async with KVStore(store_config(tmp_path, 1000, 50_000), LAYOUT, "adaptive") as store:
         await replay(store, chains)
         advice = store.advise()
         profile = store._tracker.profile()
     sizes = [125, 250, 500, 1000, 2000, 4000, 8000]
-    exact = traces.exact_lru_hit_rates(ids, sizes)
+    exact = workloads.exact_lru_hit_rates(ids, sizes)
     estimated = profile.hit_rates(sizes)
     assert max(abs(a - b) for a, b in zip(estimated, exact, strict=True)) < 0.05, (estimated, exact)
     assert profile.references == len(ids)
@@ -64,7 +64,7 @@ async def test_advise_needs_tracking(tmp_path: Path) -> None:
 
 async def test_all_unique_traffic_is_judged_not_worth_writing_below(tmp_path: Path) -> None:
     async with KVStore(store_config(tmp_path, 500, 50_000), LAYOUT, "adaptive") as store:
-        await replay(store, traces.all_unique(3000, seed=12))
+        await replay(store, workloads.all_unique(3000, seed=12))
         advice = store.advise()
     assert advice.cold_fraction == pytest.approx(1.0, abs=0.01)  # the sighting sketch may take a few as seen
     assert advice.recommended_policy == "second-sighting"
@@ -77,8 +77,8 @@ async def test_all_unique_traffic_is_judged_not_worth_writing_below(tmp_path: Pa
 
 
 async def test_second_sighting_writes_nothing_below_for_one_off_prompts(tmp_path: Path) -> None:
-    fixed = await run(tmp_path, traces.all_unique(2000, seed=13), 500)
-    selective = await run(tmp_path, traces.all_unique(2000, seed=13), 500, policy="second-sighting")
+    fixed = await run(tmp_path, workloads.all_unique(2000, seed=13), 500)
+    selective = await run(tmp_path, workloads.all_unique(2000, seed=13), 500, policy="second-sighting")
     assert fixed.written_below >= 2000 * 8 * CHUNK
     assert selective.written_below == 0
     assert selective.adaptive["held_back"] == 2000 * 8
@@ -86,7 +86,7 @@ async def test_second_sighting_writes_nothing_below_for_one_off_prompts(tmp_path
 
 async def test_second_sighting_writes_a_prefix_once_it_comes_back(tmp_path: Path) -> None:
     config = store_config(tmp_path, 64, 10_000, policy="second-sighting")
-    first, other = traces.all_unique(2, chunks=4, seed=14)
+    first, other = workloads.all_unique(2, chunks=4, seed=14)
     keys = [traces.trace_key(int(i)) for i in first]
     async with KVStore(config, LAYOUT, "adaptive") as store:
         (disk,) = store.tiers
@@ -110,7 +110,7 @@ async def test_second_sighting_writes_a_prefix_once_it_comes_back(tmp_path: Path
 
 
 async def test_auto_mode_cuts_writes_on_all_unique_traffic(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    chains = traces.all_unique(5000, seed=15)
+    chains = workloads.all_unique(5000, seed=15)
     fixed = await run(tmp_path, chains, 1000)
     with caplog.at_level(logging.INFO, logger="kvstore"):
         auto = await run(tmp_path, chains, 1000, **AUTO, dram_min=125 * CHUNK, dram_max=8000 * CHUNK)
@@ -124,7 +124,7 @@ async def test_auto_mode_cuts_writes_on_all_unique_traffic(tmp_path: Path, caplo
 
 
 async def test_auto_mode_keeps_the_hit_rate_of_the_best_fixed_size(tmp_path: Path) -> None:
-    chains = traces.zipf_prefixes(10_000, prefixes=400, seed=16)
+    chains = workloads.zipf_prefixes(10_000, prefixes=400, seed=16)
     fixed = [await run(tmp_path, chains, size, track=False) for size in (125, 1000, 8000)]
     auto = await run(tmp_path, chains, 1000, **AUTO, dram_min=125 * CHUNK, dram_max=8000 * CHUNK)
     best = max(fixed, key=lambda result: result.hit_rate)
@@ -135,7 +135,9 @@ async def test_auto_mode_keeps_the_hit_rate_of_the_best_fixed_size(tmp_path: Pat
 
 
 async def test_auto_mode_follows_a_phase_change(tmp_path: Path) -> None:
-    chains = traces.phase_change(traces.zipf_prefixes(4000, prefixes=300, seed=17), traces.all_unique(8000, seed=18))
+    chains = workloads.phase_change(
+        workloads.zipf_prefixes(4000, prefixes=300, seed=17), workloads.all_unique(8000, seed=18)
+    )
     auto = await run(
         tmp_path, chains, 1000, **{**AUTO, "half_life": 10_000}, dram_min=125 * CHUNK, dram_max=8000 * CHUNK
     )
@@ -154,7 +156,7 @@ def test_auto_bounds_must_contain_the_capacity(tmp_path: Path) -> None:
 
 async def test_store_writes_a_trace_of_every_lookup(tmp_path: Path) -> None:
     path = tmp_path / "lookups.kvtrace"
-    chains = traces.rag(300, seed=19)
+    chains = workloads.rag(300, seed=19)
     async with KVStore(store_config(tmp_path / "disk", 200, 10_000, trace=path), LAYOUT, "adaptive") as store:
         await replay(store, chains)
         running = traces.read_trace(path)  # a running store's trace is readable: whole batches so far
@@ -176,7 +178,7 @@ async def test_a_trace_path_that_cannot_be_written_fails_at_open(tmp_path: Path)
 
 async def test_tracking_sees_the_keys_of_put_and_get_unchanged(tmp_path: Path) -> None:
     """Tracking changes no result: the same traffic gives the same hits with tracking on and off."""
-    chains = traces.zipf_prefixes(1500, prefixes=100, seed=20)
+    chains = workloads.zipf_prefixes(1500, prefixes=100, seed=20)
     off = await run(tmp_path, chains, 300, settle=True, track=False)
     on = await run(tmp_path, chains, 300, settle=True, track=True)
     assert (on.prefix_hits, on.dram_hits, on.written_below) == (off.prefix_hits, off.dram_hits, off.written_below)
@@ -185,7 +187,7 @@ async def test_tracking_sees_the_keys_of_put_and_get_unchanged(tmp_path: Path) -
 async def test_second_sighting_writes_through_until_the_store_sees_a_lookup(tmp_path: Path) -> None:
     """A store that never looks up (a vLLM worker: lookups run in the scheduler's process) cannot judge: it writes."""
     config = store_config(tmp_path, 64, 10_000, policy="second-sighting")
-    keys = [traces.trace_key(int(i)) for i in traces.all_unique(1, chunks=3, seed=21)[0]]
+    keys = [traces.trace_key(int(i)) for i in workloads.all_unique(1, chunks=3, seed=21)[0]]
     chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
     async with KVStore(config, LAYOUT, "adaptive") as store:
         (disk,) = store.tiers
@@ -198,7 +200,7 @@ async def test_second_sighting_writes_through_until_the_store_sees_a_lookup(tmp_
 
 async def test_a_layer_stream_from_dram_releases_held_back_chunks(tmp_path: Path) -> None:
     config = store_config(tmp_path, 64, 10_000, policy="second-sighting")
-    (chain,) = traces.all_unique(1, chunks=3, seed=22)
+    (chain,) = workloads.all_unique(1, chunks=3, seed=22)
     keys = [traces.trace_key(int(i)) for i in chain]
     async with KVStore(config, LAYOUT, "adaptive") as store:
         (disk,) = store.tiers
@@ -213,7 +215,7 @@ async def test_a_layer_stream_from_dram_releases_held_back_chunks(tmp_path: Path
 
 
 def test_sync_store_gives_advice(tmp_path: Path) -> None:
-    chains = traces.zipf_prefixes(400, prefixes=20, seed=23)
+    chains = workloads.zipf_prefixes(400, prefixes=20, seed=23)
     chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
     with SyncKVStore(store_config(tmp_path, 200, 10_000), LAYOUT, "adaptive") as store:
         for chain in chains:
@@ -236,7 +238,7 @@ async def test_a_trace_that_fails_to_write_stops_tracing_not_lookups(
     async with KVStore(store_config(tmp_path / "disk", 200, 10_000, trace=path), LAYOUT, "adaptive") as store:
         monkeypatch.setattr(store._tracker.trace, "append", full_disk)
         with caplog.at_level(logging.WARNING, logger="kvstore"):
-            result = await replay(store, traces.zipf_prefixes(1000, prefixes=50, seed=24))
+            result = await replay(store, workloads.zipf_prefixes(1000, prefixes=50, seed=24))
         assert store._tracker.trace is None
         assert result.prefix_hits > 0
         assert store.advise().references == result.references  # the curve is still measured
@@ -245,7 +247,7 @@ async def test_a_trace_that_fails_to_write_stops_tracing_not_lookups(
 
 async def test_the_bench_compares_fixed_configurations_with_auto_mode() -> None:
     """A smoke run of the replay bench's parts on little traffic (timings are printed, never checked)."""
-    rows = await compare_one(traces.all_unique(600, seed=25), dram_chunks=80, disk_chunks=5000)
+    rows = await compare_one(workloads.all_unique(600, seed=25), dram_chunks=80, disk_chunks=5000)
     labels = [row.label for row in rows]
     assert labels[:3] == [f"write-through, {n} chunks" for n in ("10", "80", "640")]
     assert labels[3].startswith("second-sighting") and labels[4].startswith("auto")

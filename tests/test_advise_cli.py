@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstore.cli import app
-from kvstore.sizing.traces import all_unique, write_trace, zipf_prefixes
+from kvstore.sizing.traces import write_trace
+from kvstore.sizing.workloads import all_unique, zipf_prefixes
 
 runner = CliRunner()
 META = {"chunk_tokens": 256, "chunk_bytes": 1 << 20, "namespace": "test"}

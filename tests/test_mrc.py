@@ -9,16 +9,17 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvstore.sizing import traces
+from kvstore.sizing import workloads
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
+from kvstore.sizing.traces import flatten
 
 WORKLOADS: dict[str, Callable[[], list[np.ndarray]]] = {
-    "zipf prefixes": lambda: traces.zipf_prefixes(20_000, seed=1),
-    "multi-turn": lambda: traces.multi_turn(4545, seed=2),
-    "rag": lambda: traces.rag(13_333, seed=3),
-    "all unique": lambda: traces.all_unique(25_000, seed=4),
-    "phase change": lambda: traces.phase_change(
-        traces.zipf_prefixes(10_000, seed=5), traces.all_unique(12_500, seed=6)
+    "zipf prefixes": lambda: workloads.zipf_prefixes(20_000, seed=1),
+    "multi-turn": lambda: workloads.multi_turn(4545, seed=2),
+    "rag": lambda: workloads.rag(13_333, seed=3),
+    "all unique": lambda: workloads.all_unique(25_000, seed=4),
+    "phase change": lambda: workloads.phase_change(
+        workloads.zipf_prefixes(10_000, seed=5), workloads.all_unique(12_500, seed=6)
     ),
 }
 
@@ -33,10 +34,10 @@ def profile_of(ids: np.ndarray, batch: int = 4096, **options) -> ReuseProfile:
 @pytest.fixture(scope="module", params=list(WORKLOADS))
 def workload(request: pytest.FixtureRequest) -> tuple[str, np.ndarray, list[int], list[float]]:
     """A workload's ids, five sizes from 1/512 to 1/4 of its distinct chunks, and the exact LRU hit rates there."""
-    ids = traces.flatten(WORKLOADS[request.param]())
-    distinct = traces.distinct(ids)
+    ids = flatten(WORKLOADS[request.param]())
+    distinct = workloads.distinct(ids)
     sizes = [int(size) for size in np.geomspace(max(16, distinct / 512), distinct / 4, 5)]
-    return request.param, ids, sizes, traces.exact_lru_hit_rates(ids, sizes)
+    return request.param, ids, sizes, workloads.exact_lru_hit_rates(ids, sizes)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -50,7 +51,7 @@ def test_sampled_curve_is_within_5_points_of_exact_lru(workload, seed: int) -> N
     errors = [abs(a - b) for a, b in zip(estimated, exact, strict=True)]
     print(f"{name}: {took / len(ids) * 1e9:.0f} ns/reference, worst error {max(errors):.1%}")
     assert max(errors) < 0.05, (name, sizes, estimated, exact)
-    assert profile.cold_fraction == pytest.approx(traces.cold_fraction(ids), abs=0.01)
+    assert profile.cold_fraction == pytest.approx(workloads.cold_fraction(ids), abs=0.01)
 
 
 def test_every_reuse_timed_is_within_a_point_or_two(workload) -> None:
@@ -62,7 +63,7 @@ def test_every_reuse_timed_is_within_a_point_or_two(workload) -> None:
 
 
 def test_curve_rises_with_size_and_stays_a_rate() -> None:
-    profile = profile_of(traces.flatten(traces.zipf_prefixes(5000, seed=7)), seed=0)
+    profile = profile_of(flatten(workloads.zipf_prefixes(5000, seed=7)), seed=0)
     rates = profile.hit_rates(np.geomspace(1, 1e9, 60))
     assert all(0.0 <= rate <= 1.0 for rate in rates)
     assert all(b >= a - 1e-12 for a, b in zip(rates, rates[1:], strict=False))
@@ -72,7 +73,7 @@ def test_curve_rises_with_size_and_stays_a_rate() -> None:
 
 def test_open_watches_are_bounded_and_count_as_survivors() -> None:
     sampler = ReuseSampler(rate=1 / 8, max_watches=1000, seed=0)
-    ids = traces.flatten(traces.all_unique(125_000, seed=8))  # a million references, none repeated
+    ids = flatten(workloads.all_unique(125_000, seed=8))  # a million references, none repeated
     for start in range(0, len(ids), 4096):
         sampler.record(ids[start : start + 4096])
         assert len(sampler._watches) <= 1000
@@ -83,11 +84,11 @@ def test_open_watches_are_bounded_and_count_as_survivors() -> None:
 
 
 def test_half_life_lets_a_phase_change_show() -> None:
-    zipf = traces.flatten(traces.zipf_prefixes(5000, seed=9))
+    zipf = flatten(workloads.zipf_prefixes(5000, seed=9))
     sampler = ReuseSampler(half_life=20_000, seed=0)
     sampler.record(zipf)
     before = sampler.profile().hit_rate(4000)
-    unique = traces.flatten(traces.all_unique(25_000, seed=10))
+    unique = flatten(workloads.all_unique(25_000, seed=10))
     for start in range(0, len(unique), 4096):
         sampler.record(unique[start : start + 4096])
     after = sampler.profile()
@@ -121,7 +122,7 @@ def test_sightings_count_repeats_within_a_batch() -> None:
 
 
 def test_profile_travels_as_json() -> None:
-    profile = profile_of(traces.flatten(traces.rag(2000, seed=12)), seed=0)
+    profile = profile_of(flatten(workloads.rag(2000, seed=12)), seed=0)
     again = ReuseProfile.from_dict(json.loads(json.dumps(profile.as_dict())))
     sizes = [10, 100, 1000, 10_000]
     assert again.hit_rates(sizes) == profile.hit_rates(sizes)

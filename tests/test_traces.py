@@ -1,4 +1,4 @@
-"""kvstore.sizing.traces: trace files, synthetic workloads with known behaviour, and the exact LRU reference."""
+"""kvstore.sizing.traces (trace files, key ids) and kvstore.sizing.workloads (synthetic workloads, exact LRU)."""
 
 from __future__ import annotations
 
@@ -18,21 +18,23 @@ from kvstore.sizing.traces import (
     TRACE_DTYPE,
     TRACE_MAGIC,
     TraceWriter,
+    flatten,
+    key_id,
+    key_ids,
+    read_trace,
+    trace_key,
+    write_trace,
+)
+from kvstore.sizing.workloads import (
     all_unique,
     chain,
     cold_fraction,
     distinct,
     exact_lru_hit_rates,
     exact_lru_hits,
-    flatten,
-    key_id,
-    key_ids,
     multi_turn,
     phase_change,
     rag,
-    read_trace,
-    trace_key,
-    write_trace,
     zipf_prefixes,
 )
 

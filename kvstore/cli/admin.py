@@ -1,116 +1,54 @@
 """``kvstore ls``, ``stats``, ``gc`` and ``verify``: the operator's view of what the tiers hold.
 
-Exit codes (also in the README): 0 done; 1 some objects could not be listed, read or deleted;
-2 bad usage or configuration; 3 ``verify`` found damaged objects and left them in place;
-4 the deletion was not confirmed.
+The work (listing, choosing, removing, checking) is in :mod:`kvstore.cli.inventory`; this module
+turns options into calls and results into tables. Exit codes are in :mod:`kvstore.cli.console`
+(and the README): 0 done; 1 some objects could not be listed, read or deleted; 2 bad usage or
+configuration; 3 ``verify`` found damaged objects and left them in place; 4 the deletion was
+not confirmed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from pydantic import ByteSize, TypeAdapter, ValidationError
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstore.backends import RemoveReport
 from kvstore.cli import inventory as admin
-from kvstore.config import StoreConfig, human_bytes
-from kvstore.errors import ConfigError
-
-EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_DAMAGED, EXIT_DECLINED = 0, 1, 2, 3, 4
-T = TypeVar("T")
-console = Console(width=140)
-errors = Console(stderr=True, width=140)
-
-ConfigOption = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="kvstore TOML file (default: $KVSTORE_CONFIG); KVSTORE_* variables apply too"),
-]
-TierOption = Annotated[
-    list[str] | None,
-    typer.Option("--tier", "-t", help="disk, redis or s3 (repeatable or comma-separated; default: every enabled tier)"),
-]
-NamespaceOption = Annotated[
-    list[str] | None,
-    typer.Option("--namespace", "-n", help="a namespace as engines name it, or a glob on stored names (repeatable)"),
-]
-
+from kvstore.cli.console import (
+    EXIT_DAMAGED,
+    EXIT_DECLINED,
+    EXIT_ERRORS,
+    EXIT_OK,
+    EXIT_USAGE,
+    ConfigOption,
+    NamespaceOption,
+    TierOption,
+    console,
+    errors,
+    load_config,
+    make_table,
+    parse_duration,
+    parse_size,
+    progress_bar,
+    run,
+)
+from kvstore.config import StoreConfig
+from kvstore.util.units import human_age, human_bytes
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def parse_duration(text: str) -> float:
-    """'90s', '30m', '12h', '7d', '2w', '1d12h', or plain seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-    cleaned = text.strip().lower()
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", cleaned)
-    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", "", cleaned).strip():
-        raise typer.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 30m, 12h, 7d or 1d12h")
-    return sum(float(number) * units[unit or "s"] for number, unit in parts)
-
-
-def parse_size(text: str) -> int:
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise typer.BadParameter(f"{text!r} is not a size; write e.g. 500GiB, 2TB or 1048576") from None
-
-
-def human_age(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "-"
-    for limit, unit, size in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
-        if seconds < limit:
-            return f"{seconds / size:.0f} {unit}"
-    return f"{seconds / 86400:.1f} d"
-
-
-def load_config(path: Path | None) -> StoreConfig:
-    try:
-        return StoreConfig.load(path)
-    except ConfigError as exc:
-        errors.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(EXIT_USAGE) from None
-
-
 def tier_names(tiers: list[str] | None) -> list[str] | None:
+    """The --tier values split on commas (``-t disk,s3`` or ``-t disk -t s3``); None: every enabled tier."""
     names = [name.strip() for value in tiers or [] for name in value.split(",") if name.strip()]
     return names or None
-
-
-def run(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a tool; configuration problems and unreachable servers end it with a message, not a trace."""
-    try:
-        return asyncio.run(main())
-    except ConfigError as exc:
-        errors.print(f"[red]{exc}[/red]", highlight=False)
-        raise typer.Exit(EXIT_USAGE) from None
-    except (OSError, RuntimeError) as exc:
-        errors.print(f"[red]{type(exc).__name__}: {exc}[/red]", highlight=False)
-        raise typer.Exit(EXIT_ERRORS) from None
-
-
-def progress_bar() -> Progress:
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=errors,
-        transient=True,
-    )
 
 
 async def list_all(
@@ -150,9 +88,8 @@ def ls(
             fields = ("namespace", "key", "size", "when")
             typer.echo(json.dumps([{"tier": t, **{f: getattr(i, f) for f in fields}} for t, i in rows], indent=1))
             return
-        table = Table(title=f"chunks, most recent first ({len(rows)} shown)")
-        for column in ("tier", "namespace", "key", "bytes", "age"):
-            table.add_column(column, justify="right" if column in ("bytes", "age") else "left")
+        columns = ("tier", "namespace", "key", "bytes", "age")
+        table = make_table(f"chunks, most recent first ({len(rows)} shown)", columns, left=columns[:3])
         for name, item in rows:
             table.add_row(name, item.namespace, item.key, f"{item.size:,}", human_age(now - item.when))
         console.print(table)
@@ -162,9 +99,11 @@ def ls(
         fields = ("tier", "namespace", "chunks", "bytes", "oldest", "newest")
         typer.echo(json.dumps([{f: getattr(row, f) for f in fields} for row in summaries], indent=1))
         return
-    table = Table(title="kvstore ls: chunks per tier and namespace")
-    for column in ("tier", "namespace", "chunks", "bytes", "oldest", "newest", "age is since"):
-        table.add_column(column, justify="left" if column in ("tier", "namespace", "age is since") else "right")
+    table = make_table(
+        "kvstore ls: chunks per tier and namespace",
+        ("tier", "namespace", "chunks", "bytes", "oldest", "newest", "age is since"),
+        left=("tier", "namespace", "age is since"),
+    )
     for row in summaries:
         table.add_row(
             row.tier,
@@ -206,9 +145,11 @@ def stats(
         ]
         typer.echo(json.dumps(document, indent=1))
         return
-    table = Table(title="kvstore stats: chunks by age (since last write, or last access where the tier records it)")
-    for column in ("tier", "namespace", "chunks", "bytes", "avg chunk", *labels):
-        table.add_column(column, justify="left" if column in ("tier", "namespace") else "right")
+    table = make_table(
+        "kvstore stats: chunks by age (since last write, or last access where the tier records it)",
+        ("tier", "namespace", "chunks", "bytes", "avg chunk", *labels),
+        left=("tier", "namespace"),
+    )
     for name in listed:
         rows = [row for row in summaries if row.tier == name]
         for row in rows:
@@ -262,6 +203,7 @@ def gc(
 
 
 def check_lifecycle(retention: admin.Retention, names: list[str] | None, settings: StoreConfig) -> None:
+    """Refuse --install-lifecycle up front (usage error) unless --max-age is whole days and s3 is selected."""
     if retention.max_age is None or retention.max_age < 86400:
         raise typer.BadParameter("S3 lifecycle rules count whole days: give --max-age of 1d or more")
     if "s3" not in (names or admin.enabled_tiers(settings)):
@@ -277,6 +219,7 @@ async def collect(
     yes: bool,
     install_lifecycle: bool,
 ) -> int:
+    """List, plan and (unless a dry run or declined) delete; print the plan and the outcome; return the exit code."""
     accept = admin.namespace_filter(namespaces or [])
     async with admin.tool_backends(config, tiers) as backends:
         with progress_bar() as bar:
@@ -315,14 +258,12 @@ async def collect(
 
 
 def gc_table(plans: list[admin.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
+    """The plan per tier (what is listed, what goes, what is left) and, after a run, what happened."""
     title = "kvstore gc (dry run: nothing deleted)" if dry_run else "kvstore gc"
-    table = Table(title=title)
     columns = ["tier", "age is since", "listed", "listed bytes", "to delete", "bytes"]
     if reports is not None:
         columns += ["deleted", "changed (kept)", "already gone", "errors"]
-    columns += ["left bytes"]
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("tier", "age is since") else "right")
+    table = make_table(title, [*columns, "left bytes"], left=("tier", "age is since"))
     for plan in plans:
         row = [plan.tier, plan.age_basis, f"{len(plan.listed):,}", human_bytes(plan.listed_bytes)]
         row += [f"{len(plan.victims):,}", human_bytes(plan.victim_bytes)]
@@ -381,6 +322,7 @@ async def check_all(
     yes: bool,
     concurrency: int,
 ) -> int:
+    """List and check every selected tier, remove the damaged objects when asked; print them; return the exit code."""
     accept = admin.namespace_filter(namespaces or [])
     results = []
     async with admin.tool_backends(config, tiers) as backends:
@@ -404,9 +346,8 @@ async def check_all(
                 if result.damaged:
                     items = [bad.item for bad in result.damaged]
                     result.removed = await backends[result.tier].remove_unchanged(items)
-    table = Table(title="kvstore verify")
-    for column in ("tier", "checked", "bytes", "damaged", "removed", "gone meanwhile", "read errors"):
-        table.add_column(column, justify="left" if column == "tier" else "right")
+    columns = ("tier", "checked", "bytes", "damaged", "removed", "gone meanwhile", "read errors")
+    table = make_table("kvstore verify", columns, left=("tier",))
     for result in results:
         removed = "-" if result.removed is None else f"{result.removed.removed:,}"
         table.add_row(

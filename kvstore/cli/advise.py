@@ -6,7 +6,7 @@ instead, for a curve without sampling error on traces small enough to afford it.
 per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
 baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.sizing.advice`).
 
-Exit codes as in :mod:`kvstore.cli.admin`: 0 done; 2 bad usage, configuration or trace file.
+Exit codes as in :mod:`kvstore.cli.console`: 0 done; 2 bad usage, configuration or trace file.
 """
 
 from __future__ import annotations
@@ -21,33 +21,14 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from kvstore.cli.admin import EXIT_USAGE, ConfigOption, console, errors, load_config, parse_size
-from kvstore.config import human_bytes
+from kvstore.cli.console import ConfigOption, console, fail, load_config, make_table, parse_size
 from kvstore.errors import TraceFormatError
-from kvstore.sizing.advice import (
-    DEFAULT_BANDWIDTH,
-    POLICIES,
-    UNBOUNDED,
-    Advice,
-    CostModel,
-    Policy,
-    TierCost,
-    advise,
-)
+from kvstore.sizing.advice import DEFAULT_BANDWIDTH, POLICIES, Advice, CostModel, Policy, TierRates, advise, cost_model
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
-from kvstore.sizing.traces import (
-    Trace,
-    all_unique,
-    flatten,
-    multi_turn,
-    phase_change,
-    rag,
-    read_trace,
-    write_trace,
-    zipf_prefixes,
-)
+from kvstore.sizing.traces import Trace, flatten, read_trace, write_trace
+from kvstore.sizing.workloads import all_unique, multi_turn, phase_change, rag, zipf_prefixes
+from kvstore.util.units import GB, human_bytes, short_bytes
 
-GB = 1e9
 DRAM_GBPS, DISK_READ_GBPS, DISK_WRITE_GBPS, REMOTE_GBPS = (
     DEFAULT_BANDWIDTH[name] / GB for name in ("dram_copy", "disk_read", "disk_write", "remote")
 )
@@ -57,14 +38,8 @@ SYNTHETIC_META = {"chunk_tokens": 256, "chunk_bytes": 1_966_080, "writer": "kvst
 CURVE_POINTS = 64
 
 
-def fail(message: str) -> typer.Exit:
-    """Print ``message`` on stderr; the caller raises the returned exit (usage error, code 2)."""
-    errors.print(f"[red]{message}[/red]", highlight=False)
-    return typer.Exit(EXIT_USAGE)
-
-
 def synthetic_trace(name: str, requests: int) -> Trace:
-    """A workload from :mod:`kvstore.sizing.traces`, as if read from a file: for demos and the README."""
+    """A workload from :mod:`kvstore.sizing.workloads`, as if read from a file: for demos and the README."""
     if name not in SYNTHETIC:
         raise fail(f"unknown synthetic workload {name!r}; choose from {', '.join(SYNTHETIC)} (--synthetic)")
     if name == "zipf":
@@ -132,10 +107,10 @@ def curve(profile: ReuseProfile, cost: CostModel, result: Advice, disk_bytes: in
 
 
 def size_table(result: Advice, chunk: int) -> Table:
+    """One row per DRAM size shown: hit rates and net saving; the current and recommended sizes marked."""
     current = result.dram_bytes // chunk * chunk
-    table = Table(title=f"DRAM size (net saving under policy '{result.recommended_policy}')")
-    for column in ("DRAM", "DRAM hit rate", "hit rate (all tiers)", "net saving (of prefill)", ""):
-        table.add_column(column, justify="left" if not column else "right")
+    columns = ("DRAM", "DRAM hit rate", "hit rate (all tiers)", "net saving (of prefill)", "")
+    table = make_table(f"DRAM size (net saving under policy '{result.recommended_policy}')", columns, left=("",))
     for row in result.rows:
         marks = [m for m, on in (("current", row.dram_bytes == current), ("recommended", _is_rec(row, result))) if on]
         table.add_row(
@@ -150,13 +125,14 @@ def size_table(result: Advice, chunk: int) -> Table:
 
 
 def _is_rec(row: Any, result: Advice) -> bool:
+    """Whether ``row`` is the recommended DRAM size."""
     return bool(row.dram_bytes == result.recommended_dram_bytes)
 
 
 def disk_table(result: Advice, disk_bytes: int) -> Table:
-    table = Table(title=f"disk size (hit rate of DRAM + disk, with {human_bytes(result.dram_bytes)} DRAM)")
-    for column in ("disk", "hit rate", ""):
-        table.add_column(column, justify="right")
+    """One row per disk size shown: the hit rate of DRAM and disk together; current and recommended marked."""
+    title = f"disk size (hit rate of DRAM + disk, with {human_bytes(result.dram_bytes)} DRAM)"
+    table = make_table(title, ("disk", "hit rate", ""))
     for size, rate in result.disk_rows:
         marks = ["current"] * (size == disk_bytes) + ["recommended"] * (size == result.recommended_disk_bytes)
         table.add_row(human_bytes(size), f"{rate:.1%}", ", ".join(marks))
@@ -184,7 +160,7 @@ def plot_curve(path: Path, points: list[dict[str, float]], result: Advice, disk_
     axes.set_xscale("log")
     axes.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
     axes.xaxis.set_minor_locator(NullLocator())
-    axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _tick(x)))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: short_bytes(x)))
     axes.yaxis.set_major_formatter(PercentFormatter())
     axes.set_ylim(0, 100)
     axes.set_xlabel("DRAM size (bytes, binary units)")
@@ -194,15 +170,6 @@ def plot_curve(path: Path, points: list[dict[str, float]], result: Advice, disk_
     axes.legend(loc="best", fontsize="small")
     figure.tight_layout()
     figure.savefig(path, format="png")
-
-
-def _tick(size: float) -> str:
-    """A short axis label: '64M', '1G', '1.5G' (the axis is in bytes, powers of two)."""
-    for unit in ("", "K", "M", "G", "T"):
-        if size < 1024 or unit == "T":
-            return f"{size:.0f}{unit}" if size == int(size) else f"{size:.1f}{unit}"
-        size /= 1024
-    raise AssertionError
 
 
 def advise_command(
@@ -260,14 +227,10 @@ def advise_command(
     if dram_bytes < chunk:
         raise fail(f"--dram {human_bytes(dram_bytes)} holds no chunk of {human_bytes(chunk)}")
     rate = settings.adaptive.prefill_tokens_per_s if prefill_rate is None else prefill_rate
-    lower = []
-    if disk_bytes:
-        lower.append(
-            TierCost("disk", disk_bytes / chunk, chunk / (disk_read_gbps * GB), chunk / (disk_write_gbps * GB))
-        )
+    lower = [TierRates("disk", disk_bytes, disk_read_gbps * GB, disk_write_gbps * GB)] if disk_bytes else []
     if remote:
-        lower.append(TierCost("remote", UNBOUNDED, chunk / (remote_gbps * GB), chunk / (remote_gbps * GB)))
-    cost = CostModel(chunk_bytes=chunk, recompute_s=tokens / rate, dram_copy_s=chunk / (dram_gbps * GB), lower=lower)
+        lower.append(TierRates("remote", None, remote_gbps * GB, remote_gbps * GB))
+    cost = cost_model(chunk, tokens, rate, dram_gbps * GB, lower)
 
     profile = measure(data.ids, exact)
     result = advise(profile, cost, dram_bytes, current, knee=settings.adaptive.knee)
@@ -309,6 +272,7 @@ def advise_command(
 
 
 def _policy(text: str) -> Policy:
+    """The --policy value as a :data:`Policy`; anything else ends the command (exit 2)."""
     for policy in POLICIES:
         if text == policy:
             return policy

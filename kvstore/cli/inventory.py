@@ -36,6 +36,7 @@ AGE_BUCKETS: tuple[tuple[float, str], ...] = (
 
 
 def enabled_tiers(config: StoreConfig) -> list[str]:
+    """The secondary tiers ``config`` enables, in :data:`TIERS` order."""
     return [name for name in TIERS if getattr(config, name).enabled]
 
 
@@ -79,6 +80,7 @@ def namespace_filter(patterns: Sequence[str]) -> Callable[[str], bool] | None:
 async def list_objects(
     backend: Backend, accept: Callable[[str], bool] | None, on_page: Callable[[int], None] | None = None
 ) -> list[StoredObject]:
+    """Every object the backend holds in the accepted namespaces; ``on_page`` hears each page's size as it comes."""
     objects: list[StoredObject] = []
     async for page in backend.scan(accept):
         objects.extend(page)
@@ -92,6 +94,8 @@ async def list_objects(
 
 @dataclass
 class NamespaceSummary:
+    """One namespace in one tier: chunk count, bytes, oldest and newest times, chunks per age bucket."""
+
     tier: str
     namespace: str
     chunks: int = 0
@@ -120,6 +124,8 @@ def summarize(tier: str, objects: Sequence[StoredObject], now: float) -> list[Na
 
 @dataclass(frozen=True)
 class Retention:
+    """What gc keeps: chunks younger than ``max_age``, then the newest that fit in ``max_bytes`` per tier."""
+
     max_age: float | None = None  # seconds since the last write (or access, where the tier records it)
     max_bytes: int | None = None  # per tier, over the namespaces selected
 
@@ -153,6 +159,8 @@ def choose_victims(objects: Sequence[StoredObject], retention: Retention, now: f
 
 @dataclass
 class TierPlan:
+    """One tier's gc plan: everything listed, and the victims chosen from it (deleted only if still as listed)."""
+
     tier: str
     age_basis: str
     listed: list[StoredObject]
@@ -160,10 +168,12 @@ class TierPlan:
 
     @property
     def listed_bytes(self) -> int:
+        """Bytes of everything listed."""
         return sum(item.size for item in self.listed)
 
     @property
     def victim_bytes(self) -> int:
+        """Bytes of the chosen victims."""
         return sum(item.size for item in self.victims)
 
 
@@ -200,12 +210,16 @@ async def run_gc(
 
 @dataclass
 class Damaged:
+    """An object whose checks failed, and why."""
+
     item: StoredObject  # as read (its version is what a removal checks)
     reason: str
 
 
 @dataclass
 class TierCheck:
+    """What verify found in one tier: objects checked, gone meanwhile, damaged, unreadable, and removed."""
+
     tier: str
     checked: int = 0
     checked_bytes: int = 0

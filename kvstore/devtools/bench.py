@@ -1,5 +1,9 @@
 """``kvstore bench``: tier throughput against raw baselines measured in the same run.
 
+The measurements only: each function returns rows (:class:`Row`, :class:`CodecRow`), and
+:mod:`kvstore.cli.bench` prints them. :mod:`kvstore.devtools.bench_remote` and
+:mod:`kvstore.devtools.bench_prefetch` share this module's layouts, samples and row types.
+
 Ratios, not absolute numbers, are what to compare: this machine is shared and noisy, so each
 kvstore figure is printed beside a baseline that moves the same bytes right before it:
 
@@ -32,6 +36,7 @@ from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import Buffer
+from kvstore.util.units import MB, per_second
 
 LAYOUTS: dict[str, KVLayout] = {
     "SmolLM2-135M": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16),
@@ -43,31 +48,61 @@ CODECS = ["zstd", "lz4", "bytesplit", "fp8", "fp8+zstd"]
 
 @dataclass
 class Row:
+    """One operation of one layout: kvstore's best time beside its baseline's, moving the same bytes."""
+
     layout: str
     operation: str
     nbytes: int
     seconds: float
     baseline_seconds: float
-    baseline: str
+    baseline: str  # what the baseline did ("memcpy", "readinto (warm)", "redis-py GET", ...)
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9
+        """kvstore's throughput, GB/s."""
+        return per_second(self.nbytes, self.seconds)
 
     @property
     def baseline_gbps(self) -> float:
-        return self.nbytes / self.baseline_seconds / 1e9
+        """The baseline's throughput, GB/s."""
+        return per_second(self.nbytes, self.baseline_seconds)
 
     @property
     def ratio(self) -> float:
+        """kvstore's speed as a share of the baseline's (1.0: as fast)."""
         return self.baseline_seconds / self.seconds
 
     @property
     def target(self) -> float | None:
+        """The ratio this operation should reach, if it has one."""
         return TARGETS.get(self.operation)
 
 
+@dataclass
+class CodecRow:
+    """A codec on real KV: how much it compresses, and logical (uncompressed) MB/s each way.
+
+    In memory (``kvstore bench``), ``put`` is encoding and ``get`` decoding, in one thread, and
+    ``server`` is empty; through a remote tier (``--remote``), a put and a get of whole chunks.
+    """
+
+    server: str
+    codec: str
+    nbytes: int  # logical: uncompressed chunk bytes
+    stored: int
+    put_mbps: float
+    get_mbps: float
+    lossless: bool
+    error: str = ""  # a lossy codec's round-trip error on the sample (in memory only)
+
+    @property
+    def ratio(self) -> float:
+        """Uncompressed bytes per stored byte."""
+        return self.nbytes / self.stored
+
+
 def _sample_chunks(layout: KVLayout, count: int, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` random chunks of ``layout`` (seeded: every run moves the same bytes)."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(layout.chunk_shape, generator=generator).to(layout.dtype) for _ in range(count)]
 
@@ -84,12 +119,14 @@ async def _best_pair(
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
 async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> list[Row]:
+    """DRAM put and get of ``chunks`` chunks through a KVStore against memcpy into pre-touched memory."""
     sources = _sample_chunks(layout, min(chunks, 4))
     outputs = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]  # pre-touched
     staging = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]
@@ -130,6 +167,7 @@ async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> 
 
 
 def _raw_write(directory: Path, index: int, data: memoryview, fsync: bool) -> None:
+    """The baseline write: open, write all of ``data`` (fsync if asked), close."""
     fd = os.open(directory / f"raw-{index}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         view = data
@@ -142,6 +180,7 @@ def _raw_write(directory: Path, index: int, data: memoryview, fsync: bool) -> No
 
 
 def _raw_read(directory: Path, index: int, into: memoryview) -> None:
+    """The baseline read: open, readinto ``into`` until the file ends, close."""
     with open(directory / f"raw-{index}.bin", "rb", buffering=0) as file:
         view = into
         while view:
@@ -163,6 +202,7 @@ def _drop_cache(paths: list[Path]) -> None:
 
 
 async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, directory: Path, fsync: bool) -> list[Row]:
+    """Disk tier write and read (page cache warm, then cold) against raw file I/O on the same bytes; checks the data."""
     sources = _sample_chunks(layout, min(chunks, 4), seed=1)
     source_bytes = [memoryview(s.view(torch.uint8).reshape(-1).numpy()) for s in sources]
     destination = torch.zeros(chunks, layout.chunk_nbytes, dtype=torch.uint8)  # like DRAM slots: pre-touched
@@ -229,13 +269,16 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
     return rows
 
 
-def bench_codecs(sample: torch.Tensor, repeats: int) -> list[dict[str, float | str]]:
-    """Per-layer segments of the sample, one thread, like the tiers encode them."""
+def bench_codecs(sample: torch.Tensor, repeats: int) -> list[CodecRow]:
+    """Every codec on per-layer segments of the sample, one thread, like the tiers encode them (best of ``repeats``).
+
+    Raises RuntimeError if a lossless codec does not give back the sample bit for bit.
+    """
     layers = [sample[i].contiguous() for i in range(sample.shape[0])]
     spec = SegmentSpec(sample.dtype, tuple(layers[0].shape))
     raw = [memoryview(layer.view(torch.uint8).reshape(-1).numpy()) for layer in layers]
     nbytes = sum(len(r) for r in raw)
-    results: list[dict[str, float | str]] = []
+    results: list[CodecRow] = []
     for name in CODECS:
         codec = make_codec(name)
         encoded = [codec.encode(r, spec) for r in raw]
@@ -244,29 +287,26 @@ def bench_codecs(sample: torch.Tensor, repeats: int) -> list[dict[str, float | s
         out_views = [memoryview(out[i].view(torch.uint8).reshape(-1).numpy()) for i in range(len(layers))]
         encode_time = min(_timed(partial(_encode_all, codec, raw, spec)) for _ in range(repeats))
         decode_time = min(_timed(partial(_decode_all, codec, encoded, spec, out_views)) for _ in range(repeats))
-        row: dict[str, float | str] = {
-            "codec": codec.id,
-            "ratio": nbytes / stored,
-            "encode_mbps": nbytes / encode_time / 1e6,
-            "decode_mbps": nbytes / decode_time / 1e6,
-            "lossless": "yes" if codec.lossless else "no",
-        }
+        error = ""
         if codec.lossless:
             if not torch.equal(out.view(torch.uint8), sample.view(torch.uint8)):
                 raise RuntimeError(f"{codec.id} is not bit-exact")
         else:
-            error = roundtrip_error(sample, out)
-            row["error"] = f"rms rel {error['rms_rel']:.4f}, cosine {error['cosine']:.5f}"
-        results.append(row)
+            measured = roundtrip_error(sample, out)
+            error = f"rms rel {measured['rms_rel']:.4f}, cosine {measured['cosine']:.5f}"
+        encode_mbps, decode_mbps = per_second(nbytes, encode_time, MB), per_second(nbytes, decode_time, MB)
+        results.append(CodecRow("", codec.id, nbytes, stored, encode_mbps, decode_mbps, codec.lossless, error))
     return results
 
 
 def _encode_all(codec: CodecPipeline, raw: list[memoryview], spec: SegmentSpec) -> None:
+    """Encode every segment (what one timing of encoding runs)."""
     for segment in raw:
         codec.encode(segment, spec)
 
 
 def _decode_all(codec: CodecPipeline, encoded: list[Buffer], spec: SegmentSpec, outs: list[memoryview]) -> None:
+    """Decode every segment into its place (what one timing of decoding runs)."""
     for segment, out in zip(encoded, outs, strict=True):
         codec.decode_into(segment, spec, out)
 
@@ -278,7 +318,11 @@ def load_kv_sample(path: Path) -> torch.Tensor:
 
 
 def default_sample_path() -> Path | None:
-    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    """The shared real-KV sample beside the checkout (``../shared/``), if there is one.
+
+    Looked for from the working directory, then from this checkout (kvstore/devtools/ is two levels down).
+    """
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
         candidate = base.parent / "shared" / "kv_smollm2_512tok_bf16bits.npy"
         if candidate.is_file():
             return candidate
@@ -286,6 +330,10 @@ def default_sample_path() -> Path | None:
 
 
 async def run(mib: int, repeats: int, directory: Path | None, fsync: bool) -> tuple[list[Row], int]:
+    """DRAM and disk rows for every layout, ``mib`` MiB each; also ``mib``.
+
+    The disk benchmark writes in a temporary directory under ``directory``, removed at the end.
+    """
     rows: list[Row] = []
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=directory))
     try:

@@ -3,7 +3,8 @@
 ``python -m kvstore.devtools.bench_adaptive`` prints, per workload:
 the prefix hit rate, the DRAM hit rate and the bytes written below DRAM for each fixed DRAM
 size under write-through and second-sighting, then for auto mode; and the time the tracking
-adds to ``lookup`` against the same store with tracking off.
+adds to ``lookup`` against the same store with tracking off. It prints plain text: devtools sit
+below the CLI, and these figures are for a developer's terminal or the README.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.engine.store import KVStore
 from kvstore.layout import KVLayout
-from kvstore.sizing import traces
+from kvstore.sizing import workloads
+from kvstore.sizing.traces import trace_key
+from kvstore.util.units import MiB
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # 1 KiB chunks: traffic, not bytes
 
 
 @dataclass
 class ReplayResult:
+    """What one replay did: lookups, hits (all tiers, and DRAM), bytes written below DRAM, and auto mode's end state."""
+
     label: str
     references: int
     prefix_hits: int  # chunks lookup() found (the prefix an engine would load instead of computing)
@@ -57,7 +62,7 @@ async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "", 
     outs = [torch.empty_like(chunk) for _ in range(max((len(c) for c in chains), default=0))]
     references = prefix_hits = 0
     for chain in chains:
-        keys = [traces.trace_key(int(i)) for i in chain]
+        keys = [trace_key(int(i)) for i in chain]
         found = await store.lookup(keys)
         references += len(keys)
         prefix_hits += found
@@ -84,6 +89,7 @@ async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "", 
 
 
 def store_config(directory: Path, dram_chunks: int, disk_chunks: int, **adaptive: Any) -> StoreConfig:
+    """A DRAM + disk store sized in chunks of :data:`LAYOUT`, with ``adaptive`` settings, its disk in ``directory``."""
     chunk = LAYOUT.chunk_nbytes
     return StoreConfig(
         dram={"capacity": dram_chunks * chunk, "pin_memory": "never"},
@@ -101,12 +107,12 @@ async def run_config(chains: Sequence[np.ndarray], label: str, dram_chunks: int,
 
 
 WORKLOADS = {
-    "zipf prefixes": lambda n: traces.zipf_prefixes(n, seed=1),
-    "multi-turn": lambda n: traces.multi_turn(max(1, n // 5), seed=2),
-    "rag": lambda n: traces.rag(n, seed=3),
-    "all unique": lambda n: traces.all_unique(n, seed=4),
-    "phase change": lambda n: traces.phase_change(
-        traces.zipf_prefixes(n // 2, seed=5), traces.all_unique(n // 2, seed=6)
+    "zipf prefixes": lambda n: workloads.zipf_prefixes(n, seed=1),
+    "multi-turn": lambda n: workloads.multi_turn(max(1, n // 5), seed=2),
+    "rag": lambda n: workloads.rag(n, seed=3),
+    "all unique": lambda n: workloads.all_unique(n, seed=4),
+    "phase change": lambda n: workloads.phase_change(
+        workloads.zipf_prefixes(n // 2, seed=5), workloads.all_unique(n // 2, seed=6)
     ),
 }
 
@@ -156,8 +162,9 @@ async def lookup_overhead(lookups: int = 20_000, chain: int = 16, rounds: int = 
 
 
 async def _time_lookups(lookups: int, chain: int, dram_chunks: int, track: bool) -> tuple[float, float]:
-    chains = traces.zipf_prefixes(lookups, prefixes=64, prefix_chunks=chain, suffix_chunks=0, seed=7)
-    key_chains = [[traces.trace_key(int(i)) for i in c] for c in chains]
+    """Seconds per lookup (the call alone, and with the tracker's batches) over stored prefixes of ``chain`` chunks."""
+    chains = workloads.zipf_prefixes(lookups, prefixes=64, prefix_chunks=chain, suffix_chunks=0, seed=7)
+    key_chains = [[trace_key(int(i)) for i in c] for c in chains]
     chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
     with tempfile.TemporaryDirectory(prefix="kvstore-adaptive-") as directory:
         config = store_config(Path(directory), dram_chunks, 100_000, track=track)
@@ -177,37 +184,48 @@ async def _time_lookups(lookups: int, chain: int, dram_chunks: int, track: bool)
     return in_call / len(key_chains), total / len(key_chains)
 
 
-def main(requests: int = 10_000, dram_chunks: int = 1000, disk_chunks: int = 20_000) -> None:
-    from rich.console import Console
-    from rich.table import Table
+_REPLAY_COLUMNS = ("configuration", "hit rate", "DRAM hit rate", "written below DRAM", "puts refused", "DRAM at end")
+_REPLAY_LINE = "  {:<36} {:>9} {:>14} {:>19} {:>13} {:>15}  {}"  # the columns above, then the policy at the end
 
-    console = Console(width=150)
-    for name, make in WORKLOADS.items():
-        rows = asyncio.run(compare_one(make(requests), dram_chunks, disk_chunks))
-        table = Table(title=f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks")
-        columns = ("configuration", "hit rate", "DRAM hit rate", "written below DRAM", "puts refused", "DRAM at end")
-        for column in (*columns, "policy"):
-            table.add_column(column, justify="left" if column == "configuration" else "right")
-        for row in rows:
-            table.add_row(
-                row.label,
-                f"{row.hit_rate:.1%}",
-                f"{row.dram_hit_rate:.1%}",
-                f"{row.written_below / 2**20:.1f} MiB",
-                f"{row.rejected:,}",
-                f"{row.dram_bytes_end // LAYOUT.chunk_nbytes:,} chunks",
-                row.policy_end,
-            )
-        console.print(table)
-    timings = asyncio.run(lookup_overhead())
+
+def _replay_cells(row: ReplayResult) -> tuple[str, ...]:
+    """A replay's figures as printed, in the order of :data:`_REPLAY_COLUMNS` plus the policy at the end."""
+    return (
+        row.label,
+        f"{row.hit_rate:.1%}",
+        f"{row.dram_hit_rate:.1%}",
+        f"{row.written_below / MiB:.1f} MiB",
+        f"{row.rejected:,}",
+        f"{row.dram_bytes_end // LAYOUT.chunk_nbytes:,} chunks",
+        row.policy_end,
+    )
+
+
+def _overhead_lines(timings: dict[str, float]) -> list[str]:
+    """:func:`lookup_overhead`'s timings as sentences: the tracker's cost per lookup, DRAM and disk cases."""
+    lines = []
     for case, where in (("dram", "all in DRAM"), ("disk", "found on disk")):
         off, on = timings[f"{case}_untracked"], timings[f"{case}_tracked"]
         off_call, on_call = timings[f"{case}_untracked_call"], timings[f"{case}_tracked_call"]
-        console.print(
+        lines.append(
             f"lookup of 16 chunks, {where}: {off * 1e6:.1f} us untracked, {on * 1e6:.1f} us tracked "
             f"({on / off - 1:+.1%} with the tracker's batches); the call alone {off_call * 1e6:.1f} -> "
             f"{on_call * 1e6:.1f} us ({on_call / off_call - 1:+.1%})"
         )
+    return lines
+
+
+def main(requests: int = 10_000, dram_chunks: int = 1000, disk_chunks: int = 20_000) -> None:
+    """Every workload through every configuration, then the tracker's overhead; printed as plain text."""
+    for name, make in WORKLOADS.items():
+        rows = asyncio.run(compare_one(make(requests), dram_chunks, disk_chunks))
+        print(f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks")
+        print(_REPLAY_LINE.format(*_REPLAY_COLUMNS, "policy"))
+        for row in rows:
+            print(_REPLAY_LINE.format(*_replay_cells(row)))
+        print()
+    for line in _overhead_lines(asyncio.run(lookup_overhead())):
+        print(line)
 
 
 if __name__ == "__main__":

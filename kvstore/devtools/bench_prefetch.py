@@ -37,6 +37,8 @@ BUCKET = "kvstore-prefetch-bench"
 
 @dataclass
 class OverlapRow:
+    """One tier at one compute time: fetch and compute per layer, time to layer 0 and the whole pass."""
+
     tier: str
     chunks: int
     fetch_per_layer: float  # f, seconds
@@ -133,4 +135,5 @@ def _measure(store: SyncKVStore, keys: list[str], tier: str, repeats: int, depth
 
 
 def parse_tiers(text: str) -> list[str]:
+    """The --prefetch tiers (comma-separated, or ``all``); ValueError naming an unknown one."""
     return parse_names(text, TIERS, "tier(s)")

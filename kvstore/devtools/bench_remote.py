@@ -10,7 +10,8 @@ once up front) with the same number of requests in flight, run alternately, best
 
 Then every codec through the tier on real KV (the SmolLM2 sample): compression ratio and
 logical (uncompressed) MB/s for put and get. The servers are real processes on this machine
-(:mod:`kvstore.devtools.servers`), started here and stopped at the end.
+(:mod:`kvstore.devtools.servers`), started here and stopped at the end. The functions return
+rows; :mod:`kvstore.cli.bench` prints them.
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rich.table import Table
 
 from kvstore.backends.base import Backend
 from kvstore.codecs import make_codec
-from kvstore.devtools.bench import LAYOUTS, Row, _best_pair, _sample_chunks, parse_names
+from kvstore.devtools.bench import LAYOUTS, CodecRow, Row, _best_pair, _sample_chunks, parse_names
 from kvstore.devtools.servers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.storage.container import encode_chunk
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import tensor_bytes
+from kvstore.util.units import MB, per_second
 
 REMOTES = ("redis", "moto", "seaweedfs")
 CONCURRENCY = 4  # requests in flight, kvstore and raw client alike (the store's io_threads default)
@@ -51,34 +52,14 @@ class RemoteRow(Row):
 
     @property
     def target(self) -> float | None:
+        """The remote ratio target, whatever the operation."""
         return TARGET
 
 
 @dataclass
-class CodecRow:
-    server: str
-    codec: str
-    nbytes: int  # logical: uncompressed chunk bytes
-    stored: int
-    put_seconds: float
-    get_seconds: float
-    lossless: bool
-
-    @property
-    def ratio(self) -> float:
-        return self.nbytes / self.stored
-
-    @property
-    def put_mbps(self) -> float:
-        return self.nbytes / self.put_seconds / 1e6
-
-    @property
-    def get_mbps(self) -> float:
-        return self.nbytes / self.get_seconds / 1e6
-
-
-@dataclass
 class RemoteResults:
+    """What :func:`run_remote` measured: ratio rows per server and layout, then codec rows on real KV."""
+
     rows: list[RemoteRow] = field(default_factory=list)
     codec_rows: list[CodecRow] = field(default_factory=list)
 
@@ -159,6 +140,7 @@ class Remote:
 
 
 def _redis_remote(server: RedisServer, concurrency: int) -> Remote:
+    """A running redis-server as a Remote: RedisBackend, and redis-py for the raw side."""
     from redis.asyncio import Redis
 
     from kvstore.backends.redis import RedisBackend
@@ -172,6 +154,7 @@ def _redis_remote(server: RedisServer, concurrency: int) -> Remote:
 
 
 def _s3_remote(server: S3Server, concurrency: int) -> Remote:
+    """A running S3 server as a Remote: S3Backend, and aiobotocore with the same settings for the raw side."""
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
 
@@ -232,6 +215,7 @@ def serve(names: Sequence[str], concurrency: int) -> Iterator[list[Remote]]:
 
 
 def parse_remotes(text: str) -> list[str]:
+    """The --remote servers (comma-separated, or ``all``); ValueError naming an unknown one."""
     return parse_names(text, REMOTES, "remote(s)")
 
 
@@ -250,6 +234,7 @@ async def _bounded(concurrency: int, count: int, job: Callable[[int], Awaitable[
 
 @asynccontextmanager
 async def _tier(remote: Remote, codec: str, layout: KVLayout, executor: ThreadPoolExecutor) -> AsyncIterator[ChunkTier]:
+    """An opened ChunkTier on ``remote`` with ``codec``, closed on exit."""
     tier = ChunkTier(remote.make_backend(), make_codec(codec), layout, executor)
     await tier.open()
     try:
@@ -259,6 +244,8 @@ async def _tier(remote: Remote, codec: str, layout: KVLayout, executor: ThreadPo
 
 
 async def _tier_put(tier: ChunkTier, items: list[tuple[str, memoryview]], concurrency: int) -> float:
+    """Seconds to write every item through the tier, ``concurrency`` at a time; RuntimeError if a write fails."""
+
     async def one(i: int) -> None:
         (outcome,) = await tier.write_many([items[i]])
         if outcome is not None:
@@ -268,6 +255,8 @@ async def _tier_put(tier: ChunkTier, items: list[tuple[str, memoryview]], concur
 
 
 async def _tier_get(tier: ChunkTier, keys: list[str], slots: list[memoryview], concurrency: int) -> float:
+    """Seconds to read every key into its slot, ``concurrency`` at a time; RuntimeError if a chunk is missing."""
+
     async def one(i: int) -> None:
         if not (await tier.read_many_into([keys[i]], [slots[i]]))[0]:
             raise RuntimeError(f"the {tier.name} tier lost a chunk during the benchmark ({tier.stats.as_dict()})")
@@ -284,6 +273,7 @@ async def bench_identity(
     concurrency: int,
     executor: ThreadPoolExecutor,
 ) -> list[RemoteRow]:
+    """Put and get of identity-coded chunks through the tier against the raw client on the same bytes."""
     sources = _sample_chunks(layout, min(chunks, 4), seed=2)
     views = [tensor_bytes(sources[i % len(sources)]) for i in range(chunks)]
     keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
@@ -339,6 +329,7 @@ async def bench_codecs_remote(
     executor: ThreadPoolExecutor,
     codecs: Sequence[str] = REMOTE_CODECS,
 ) -> list[CodecRow]:
+    """Every codec through the tier on real KV (``mib`` MiB of it): stored size and logical MB/s each way."""
     layout = LAYOUTS["SmolLM2-135M"]  # the sample's model
     pieces = real_chunks(sample, layout)
     chunks = max(concurrency, -(-(mib << 20) // layout.chunk_nbytes))
@@ -363,9 +354,9 @@ async def bench_codecs_remote(
                         raise RuntimeError(f"{codec} on {remote.name} is not bit-exact")
             for key in keys:
                 await tier.backend.delete(key)
-        rows.append(
-            CodecRow(remote.name, codec, chunks * layout.chunk_nbytes, stored, put_time, get_time, tier.codec.lossless)
-        )
+        nbytes = chunks * layout.chunk_nbytes
+        put_mbps, get_mbps = per_second(nbytes, put_time, MB), per_second(nbytes, get_time, MB)
+        rows.append(CodecRow(remote.name, codec, nbytes, stored, put_mbps, get_mbps, tier.codec.lossless))
     return rows
 
 
@@ -391,32 +382,3 @@ async def run_remote(
                     remote, sample, min(mib, codec_mib), repeats, concurrency, executor
                 )
     return results
-
-
-def tables(results: RemoteResults, mib: int, repeats: int, concurrency: int) -> list[Table]:
-    """The ratio table (columns as in the local bench) and the per-codec table."""
-    title = f"kvstore bench, remote tiers: {mib} MiB per row, {concurrency} in flight, best of {repeats}"
-    ratios = Table(title=title)
-    for column in ("layout", "operation", "kvstore MB/s", "baseline", "baseline MB/s", "ratio", "target"):
-        ratios.add_column(column, justify="right" if "MB/s" in column or column in ("ratio", "target") else "left")
-    for row in results.rows:
-        ok = row.ratio >= TARGET
-        ratios.add_row(
-            row.layout,
-            row.operation,
-            f"{row.gbps * 1000:.0f}",
-            row.baseline,
-            f"{row.baseline_gbps * 1000:.0f}",
-            f"{row.ratio:.2f}x",
-            f">= {TARGET}x" + (" [green]ok[/]" if ok else " [red]below[/]"),
-        )
-    size = results.codec_rows[0].nbytes / 2**20 if results.codec_rows else 0
-    codecs = Table(
-        title=f"codecs through the remote tiers on real KV: SmolLM2 sample, {size:.0f} MiB per row (uncompressed)"
-    )
-    for column in ("server", "codec", "lossless", "ratio", "put MB/s of KV", "get MB/s of KV"):
-        codecs.add_column(column, justify="left" if column in ("server", "codec", "lossless") else "right")
-    for c in results.codec_rows:
-        lossless = "yes" if c.lossless else "no"
-        codecs.add_row(c.server, c.codec, lossless, f"{c.ratio:.3f}", f"{c.put_mbps:.0f}", f"{c.get_mbps:.0f}")
-    return [ratios, codecs] if results.codec_rows else [ratios]

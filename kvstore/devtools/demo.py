@@ -6,7 +6,8 @@ same directory, as after a restart: the prompts' prefixes are found again, loade
 checked bit for bit, and promoted to DRAM for the next read.
 
 The KV is synthetic but deterministic (seeded per chunk), so the demo can regenerate what it
-wrote and compare without holding hundreds of MB in memory.
+wrote and compare without holding hundreds of MB in memory. :func:`run_demo` returns what happened
+(:class:`DemoReport`); ``kvstore demo`` (:mod:`kvstore.cli.devtools`) prints it.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import asyncio
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from kvstore.config import StoreConfig
 from kvstore.engine.store import KVStore
 from kvstore.layout import KVLayout
+from kvstore.util.units import per_second
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # SmolLM2-135M
 NAMESPACE = "demo/SmolLM2-135M"
@@ -42,21 +43,42 @@ def _prefill(seed_text: str) -> torch.Tensor:
     return torch.randn(LAYOUT.chunk_shape, generator=generator).to(LAYOUT.dtype)
 
 
-def _gbps(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / max(seconds, 1e-9) / 1e9:.2f}"
+@dataclass(frozen=True)
+class DemoStep:
+    """One phase of the demo: how many chunks, how many bytes in how long, and where they came from."""
+
+    phase: str
+    chunks: str  # a count, or "found/looked up"
+    nbytes: int | None  # KV bytes the phase moved; None for a lookup, which moves none
+    seconds: float
+    gbps: float | None  # None where the time is a wait (for writes behind the engine), not a transfer
+    source: str
 
 
-async def run_demo(console: Console, *, prompts: int, tokens: int, dram: str, directory: Path | None) -> bool:
+@dataclass
+class DemoReport:
+    """What :func:`run_demo` did: the setting, each phase, closing notes, and whether every chunk came back exact."""
+
+    layout: str
+    dram: str
+    directory: Path
+    steps: list[DemoStep] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    ok: bool = True
+
+
+async def run_demo(*, prompts: int, tokens: int, dram: str, directory: Path | None) -> DemoReport:
+    """Prefill ``prompts`` prompts of ``tokens`` tokens, restart the store, and read everything back.
+
+    ``directory`` holds the disk tier (kept); by default a temporary one, removed at the end.
+    Raises ValueError if ``tokens`` leaves no chunk past the shared 512-token prefix.
+    """
     if tokens < 512 + LAYOUT.chunk_tokens:
         raise ValueError(f"--tokens must be at least {512 + LAYOUT.chunk_tokens}")
     workdir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
     config = StoreConfig(dram={"capacity": dram}, disk={"path": workdir, "capacity": "4GiB"})
-    console.print(f"[bold]kvstore demo[/]: {LAYOUT.describe()}")
-    console.print(f"DRAM tier {dram}, disk tier {workdir}\n")
-    table = Table(title="the cascade, a restart, and the hits that came back")
-    for column in ("phase", "chunks", "MB", "seconds", "GB/s", "where the chunks came from"):
-        table.add_column(column, justify="left" if column in ("phase", "where the chunks came from") else "right")
-    ok = True
+    report = DemoReport(LAYOUT.describe(), dram, workdir)
+    steps = report.steps
     try:
         # 1. Prefill and put. Prompts share their first two chunks, so those are stored once.
         async with KVStore(config, LAYOUT, namespace=NAMESPACE) as store:
@@ -75,26 +97,20 @@ async def run_demo(console: Console, *, prompts: int, tokens: int, dram: str, di
                     prefill_seconds += middle - start
                     put_seconds += time.perf_counter() - middle
             nbytes = len(unique) * LAYOUT.chunk_nbytes
-            table.add_row(
-                "put (engine -> DRAM)",
-                str(len(unique)),
-                f"{nbytes / 1e6:.0f}",
-                f"{put_seconds:.3f}",
-                _gbps(nbytes, put_seconds),
-                "copied into DRAM slots",
+            rate = per_second(nbytes, put_seconds)
+            steps.append(
+                DemoStep("put (engine -> DRAM)", str(len(unique)), nbytes, put_seconds, rate, "copied into DRAM slots")
             )
             start = time.perf_counter()
             await store.flush()
             flush_seconds = time.perf_counter() - start
             stats = store.stats()
             disk = stats["disk"]
-            table.add_row(
-                "cascade (DRAM -> disk)",
-                str(disk["writes"]),
-                f"{disk['bytes_written'] / 1e6:.0f}",
-                f"{flush_seconds:.3f}",
-                "",
-                f"written behind the engine; {disk['drops']} dropped, {stats['store']['put_rejected']} puts rejected",
+            rejected = stats["store"]["put_rejected"]
+            behind = f"written behind the engine; {disk['drops']} dropped, {rejected} puts rejected"
+            written = str(disk["writes"])
+            steps.append(
+                DemoStep("cascade (DRAM -> disk)", written, disk["bytes_written"], flush_seconds, None, behind)
             )
             in_dram = stats["dram"]["chunks"]
 
@@ -103,13 +119,9 @@ async def run_demo(console: Console, *, prompts: int, tokens: int, dram: str, di
             start = time.perf_counter()
             found = [await store.lookup(keys) for keys in all_keys]
             lookup_seconds = time.perf_counter() - start
-            table.add_row(
-                "lookup after restart",
-                f"{sum(found)}/{sum(len(k) for k in all_keys)}",
-                "",
-                f"{lookup_seconds:.3f}",
-                "",
-                "prefixes found on disk",
+            looked_up = f"{sum(found)}/{sum(len(k) for k in all_keys)}"
+            steps.append(
+                DemoStep("lookup after restart", looked_up, None, lookup_seconds, None, "prefixes found on disk")
             )
             out = torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
             # Second pass newest-first: what the first pass promoted is still in DRAM.
@@ -129,25 +141,19 @@ async def run_demo(console: Console, *, prompts: int, tokens: int, dram: str, di
                 after = store.stats()
                 from_disk = after["disk"]["hits"] - before["disk"]["hits"]
                 total_bytes = loaded * LAYOUT.chunk_nbytes
-                table.add_row(
-                    label,
-                    str(loaded),
-                    f"{total_bytes / 1e6:.0f}",
-                    f"{seconds:.3f}",
-                    _gbps(total_bytes, seconds),
-                    f"{loaded - from_disk} DRAM, {from_disk} disk; {exact}/{loaded} bit-exact",
+                where = f"{loaded - from_disk} DRAM, {from_disk} disk; {exact}/{loaded} bit-exact"
+                steps.append(
+                    DemoStep(label, str(loaded), total_bytes, seconds, per_second(total_bytes, seconds), where)
                 )
-                ok &= exact == loaded == sum(len(k) for k in all_keys)
+                report.ok &= exact == loaded == sum(len(k) for k in all_keys)
             final = store.stats()
-        console.print(table)
-        console.print(
-            f"\nBefore the restart DRAM held {in_dram} of {len(unique)} chunks; every chunk came back from disk. "
+        report.notes = [
+            f"Before the restart DRAM held {in_dram} of {len(unique)} chunks; every chunk came back from disk. "
             f"Stand-in prefill cost {prefill_seconds:.2f} s for these chunks; "
-            f"a real SmolLM2 prefill of 2K tokens takes ~6.6 s on this kind of machine."
-        )
-        console.print(f"corrupt objects seen: {final['disk']['corrupt']}, errors: {final['disk']['errors']}")
-        console.print("[green]demo ok[/]" if ok else "[red]demo failed: some chunks were missing or wrong[/]")
-        return ok
+            f"a real SmolLM2 prefill of 2K tokens takes ~6.6 s on this kind of machine.",
+            f"corrupt objects seen: {final['disk']['corrupt']}, errors: {final['disk']['errors']}",
+        ]
+        return report
     finally:
         if directory is None:
             shutil.rmtree(workdir, ignore_errors=True)

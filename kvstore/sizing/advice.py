@@ -19,13 +19,14 @@ Write policies:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 
-from kvstore.config import human_bytes
 from kvstore.sizing.mrc import ReuseProfile
+from kvstore.util.units import human_bytes
 
 Policy = Literal["write-through", "second-sighting"]
 POLICIES: tuple[Policy, ...] = ("write-through", "second-sighting")
@@ -87,8 +88,54 @@ class CostModel:
         return rate
 
 
+@dataclass(frozen=True)
+class TierRates:
+    """A tier below DRAM as measured or assumed: its size in bytes and its bandwidths in bytes per second.
+
+    What a caller knows (a store's timings, or ``kvstore advise`` options); :func:`cost_model` turns
+    it into the per-chunk terms of a :class:`TierCost`.
+    """
+
+    name: str
+    capacity_bytes: float | None  # None: unbounded (Redis/S3: retention sets their size)
+    read_bytes_per_s: float  # math.inf: too fast to matter (costs nothing per chunk)
+    write_bytes_per_s: float
+
+
+def cost_model(
+    chunk_bytes: int,
+    chunk_tokens: int,
+    prefill_tokens_per_s: float,
+    dram_copy_bytes_per_s: float,
+    tiers: Sequence[TierRates],
+) -> CostModel:
+    """The cost model of a store whose chunks are ``chunk_bytes`` for ``chunk_tokens`` tokens.
+
+    Sizes become chunks (:data:`UNBOUNDED` for a tier without one) and bandwidths become seconds
+    per chunk; ``tiers`` are the tiers below DRAM, fastest first. The one place both auto mode and
+    ``kvstore advise`` build their costs, so the two always weigh a configuration alike.
+    """
+    lower = [
+        TierCost(
+            tier.name,
+            UNBOUNDED if tier.capacity_bytes is None else tier.capacity_bytes / chunk_bytes,
+            chunk_bytes / tier.read_bytes_per_s,
+            chunk_bytes / tier.write_bytes_per_s,
+        )
+        for tier in tiers
+    ]
+    return CostModel(
+        chunk_bytes=chunk_bytes,
+        recompute_s=chunk_tokens / prefill_tokens_per_s,
+        dram_copy_s=chunk_bytes / dram_copy_bytes_per_s,
+        lower=lower,
+    )
+
+
 @dataclass
 class SizeRow:
+    """One DRAM size in the advice's table: its hit rates and net saving."""
+
     dram_bytes: int
     dram_hit_rate: float  # of lookups, served by DRAM
     hit_rate: float  # of lookups, served by some tier (under the recommended policy)
@@ -97,6 +144,8 @@ class SizeRow:
 
 @dataclass
 class Advice:
+    """What :func:`advise` found: the rows it weighed, the size and policy it recommends, and why, in sentences."""
+
     references: float
     sample_rate: float
     cold_fraction: float
@@ -111,6 +160,7 @@ class Advice:
     recommended_disk_bytes: int | None = None  # the first bounded tier below DRAM (the disk), if any
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (``kvstore advise --json``, ``store.advise()``)."""
         return asdict(self)
 
 

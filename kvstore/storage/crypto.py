@@ -10,8 +10,6 @@ Nonces are random; NIST's bound for random 96-bit nonces (2^32 encryptions per k
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 import os
@@ -27,28 +25,6 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 OVERHEAD = NONCE_BYTES + TAG_BYTES
 KEY_ID_BYTES = 8
-
-
-def parse_key(text: str) -> bytes:
-    """A 128/192/256-bit key from hex or base64 text; the error never echoes the text."""
-    text = text.strip()
-    key: bytes | None = None
-    if len(text) in (32, 48, 64):
-        try:
-            key = bytes.fromhex(text)
-        except ValueError:
-            key = None
-    if key is None:
-        try:
-            key = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError):
-            key = None
-    if key is None or len(key) not in (16, 24, 32):
-        raise ValueError(
-            "the encryption key must be 16, 24 or 32 bytes written as hex or base64 "
-            '(make one with: python -c "import os; print(os.urandom(32).hex())")'
-        )
-    return key
 
 
 class ChunkCipher:

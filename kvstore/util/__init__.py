@@ -1,1 +1,1 @@
-"""Low-level helpers every layer may use: zero-copy byte views and blocking work off the event loop."""
+"""Low-level helpers every layer may use: zero-copy byte views, blocking work off the event loop, units."""

@@ -1,0 +1,193 @@
+"""``kvstore bench``: runs the benchmarks in :mod:`kvstore.devtools` and prints their rows as tables.
+
+The measuring lives in ``kvstore.devtools.bench`` (DRAM and disk), ``bench_remote`` (Redis and
+S3 on dev servers started for the run) and ``bench_prefetch`` (layer streams against simulated
+compute); each returns rows, and this module only chooses what to run and renders the results.
+The devtools modules are imported inside the command: they pull in torch and the servers, which
+``kvstore --help`` should not wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from kvstore.cli.console import EXIT_ERRORS, console, fail, make_table
+from kvstore.util.units import GB, MB, MiB, per_second
+
+if TYPE_CHECKING:  # devtools sit below the CLI; imported for real inside the command (see the docstring)
+    from kvstore.devtools.bench import CodecRow, Row
+    from kvstore.devtools.bench_prefetch import OverlapRow
+
+RATE_UNITS = {"GB/s": (GB, 2), "MB/s": (MB, 0)}  # unit: (bytes per unit, decimals shown)
+
+
+def bench(
+    mib: Annotated[int, typer.Option(help="MiB moved per layout and operation")] = 256,
+    repeats: Annotated[int, typer.Option(help="best of this many runs")] = 3,
+    directory: Annotated[Path | None, typer.Option("--dir", help="where the disk benchmark writes")] = None,
+    fsync: Annotated[bool, typer.Option(help="fsync every file (tier and baseline alike)")] = False,
+    codecs: Annotated[bool, typer.Option(help="also measure codecs on the real KV sample")] = True,
+    sample: Annotated[Path | None, typer.Option(help="real KV sample (.npy, bf16 bits as uint16)")] = None,
+    remote: Annotated[
+        str, typer.Option(help="remote tiers to bench on dev servers started here: redis,moto,seaweedfs or all")
+    ] = "",
+    local: Annotated[bool, typer.Option(help="bench DRAM and disk (--no-local: only the remote tiers)")] = True,
+    remote_layout: Annotated[
+        list[str] | None, typer.Option(help="layouts for the remote bench (repeatable; default: all)")
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="remote requests in flight, kvstore and raw client alike")
+    ] = 4,
+    prefetch: Annotated[str, typer.Option(help="layer-stream overlap on these tiers: dram,disk,redis,s3 or all")] = "",
+) -> None:
+    """Tier throughput against memcpy, raw file I/O and raw S3/Redis clients, measured in the same run."""
+    names = _remote_names(remote, remote_layout)  # checked before the local bench spends minutes
+    if local:
+        _bench_local(mib, repeats, directory, fsync, codecs, sample)
+    if names:
+        _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
+    if prefetch:
+        _bench_prefetch(prefetch, repeats)
+
+
+# -- tables -------------------------------------------------------------------------------------
+
+
+def ratio_table(title: str, rows: Sequence[Row], unit: str) -> Table:
+    """kvstore beside its baseline, one row per layout and operation; throughputs in ``unit`` (GB/s or MB/s)."""
+    scale, decimals = RATE_UNITS[unit]
+    columns = ("layout", "operation", f"kvstore {unit}", "baseline", f"baseline {unit}", "ratio", "target")
+    table = make_table(title, columns, left=("layout", "operation", "baseline"))
+    for row in rows:
+        target = row.target
+        mark = "" if target is None else (" [green]ok[/]" if row.ratio >= target else " [red]below[/]")
+        table.add_row(
+            row.layout,
+            row.operation,
+            f"{per_second(row.nbytes, row.seconds, scale):.{decimals}f}",
+            row.baseline,
+            f"{per_second(row.nbytes, row.baseline_seconds, scale):.{decimals}f}",
+            f"{row.ratio:.2f}x",
+            ("" if target is None else f">= {target}x") + mark,
+        )
+    return table
+
+
+def codec_table(title: str, rows: Sequence[CodecRow], remote: bool) -> Table:
+    """One row per codec (and server, for ``remote`` rows): ratio and MB/s each way; in memory, also the error."""
+    if remote:
+        columns = ["server", "codec", "lossless", "ratio", "put MB/s of KV", "get MB/s of KV"]
+    else:
+        columns = ["codec", "lossless", "ratio", "encode MB/s", "decode MB/s", "error"]
+    table = make_table(title, columns, left=("server", "codec", "lossless", "error"))
+    for row in rows:
+        figures = [row.codec, "yes" if row.lossless else "no", f"{row.ratio:.3f}", f"{row.put_mbps:.0f}"]
+        figures.append(f"{row.get_mbps:.0f}")
+        table.add_row(*([row.server, *figures] if remote else [*figures, row.error]))
+    return table
+
+
+def overlap_table(rows: Sequence[OverlapRow], target: float) -> Table:
+    """Layer streams: fetch and compute per layer, time to layer 0, and how much fetch the compute hid."""
+    title = "layer streams: 8 SmolLM2 chunks (2K tokens), simulated compute c per layer, depth 4"
+    columns = ("tier", "fetch f / layer", "compute c / layer", "time to layer 0", "total", "fetch hidden")
+    table = make_table(title, columns)
+    for row in rows:
+        verdict = "met" if row.compute_per_layer < row.fetch_per_layer or row.efficiency >= target else "missed"
+        table.add_row(
+            row.tier,
+            f"{row.fetch_per_layer * 1e3:.2f} ms",
+            f"{row.compute_per_layer * 1e3:.2f} ms",
+            f"{row.ttfl * 1e3:.2f} ms",
+            f"{row.total * 1e3:.1f} ms",
+            f"{row.efficiency:.0%} ({verdict})",
+        )
+    return table
+
+
+# -- the parts of a run -------------------------------------------------------------------------
+
+
+def _bench_local(
+    mib: int, repeats: int, directory: Path | None, fsync: bool, codecs: bool, sample: Path | None
+) -> None:
+    """DRAM and disk against memcpy and raw file I/O, then codecs in one thread."""
+    from kvstore.devtools import bench as b
+
+    rows, _ = asyncio.run(b.run(mib, repeats, directory, fsync))
+    title = f"kvstore bench: {mib} MiB per row, best of {repeats}, fsync={'on' if fsync else 'off'}"
+    console.print(ratio_table(title, rows, "GB/s"))
+    if codecs:
+        path = sample or b.default_sample_path()
+        if path is None:
+            console.print("[yellow]codecs skipped: no real KV sample found; pass --sample PATH[/]")
+            return
+        results = b.bench_codecs(b.load_kv_sample(path)[:, :, :256].contiguous(), repeats)
+        title = f"codecs on real KV ({path.name}, 256-token chunk, per-layer segments, 1 thread)"
+        console.print(codec_table(title, results, remote=False))
+
+
+def _remote_names(remote: str, layouts: list[str] | None) -> list[str]:
+    """The --remote servers, checked with the --remote-layout names; an unknown one is a usage error."""
+    if not remote:
+        return []
+    from kvstore.devtools import bench as b
+    from kvstore.devtools import bench_remote as r
+
+    try:
+        for layout in layouts or []:
+            if layout not in b.LAYOUTS:
+                raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(b.LAYOUTS)}")
+        return r.parse_remotes(remote)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _bench_remote(
+    names: list[str],
+    mib: int,
+    repeats: int,
+    layouts: list[str] | None,
+    concurrency: int,
+    sample: Path | None,
+    codecs: bool,
+) -> None:
+    """The remote tiers on dev servers started for the run; exits 1 when a server cannot start."""
+    from kvstore.devtools import bench as b
+    from kvstore.devtools import bench_remote as r
+    from kvstore.errors import ServerError
+
+    path = (sample or b.default_sample_path()) if codecs else None
+    if codecs and path is None:
+        console.print("[yellow]remote codec rows skipped: no real KV sample found; pass --sample PATH[/]")
+    kv = None if path is None else b.load_kv_sample(path)
+    try:
+        with r.serve(names, concurrency) as remotes:
+            results = asyncio.run(
+                r.run_remote(remotes, mib, repeats, layouts or list(b.LAYOUTS), kv, concurrency=concurrency)
+            )
+    except ServerError as exc:
+        raise fail(f"could not start a dev server: {exc}", EXIT_ERRORS) from None
+    title = f"kvstore bench, remote tiers: {mib} MiB per row, {concurrency} in flight, best of {repeats}"
+    console.print(ratio_table(title, results.rows, "MB/s"))
+    if results.codec_rows:
+        size = results.codec_rows[0].nbytes / MiB
+        title = f"codecs through the remote tiers on real KV: SmolLM2 sample, {size:.0f} MiB per row (uncompressed)"
+        console.print(codec_table(title, results.codec_rows, remote=True))
+
+
+def _bench_prefetch(tiers: str, repeats: int) -> None:
+    """Time to first layer and overlap efficiency of layer streams against simulated compute."""
+    from kvstore.devtools import bench_prefetch as p
+
+    try:
+        names = p.parse_tiers(tiers)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    console.print(overlap_table(p.run_overlap(names, repeats=repeats), p.TARGET))
