@@ -20,19 +20,17 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvstore.engine.stats import StoreLatency
 from kvstore.errors import ConfigError
-from kvstore.storage.stats import LATENCY_BUCKETS, Histogram
-
-if TYPE_CHECKING:
-    from kvstore.engine.store import KVStore
+from kvstore.storage.stats import LATENCY_BUCKETS, Histogram, TierLatency
 
 log = logging.getLogger("kvstore.metrics")
 F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
@@ -40,80 +38,104 @@ F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
 NS = ("namespace",)
 NS_TIER = ("namespace", "tier")
 
-# stats()["store"] key -> counter name (exposed with _total) and help; the tests check none is missing.
-STORE_COUNTERS = {
-    "puts": ("kvstore_puts", "put() calls"),
-    "put_rejected": ("kvstore_put_rejected", "puts refused: every DRAM slot was held by a transfer"),
-    "put_duplicate": ("kvstore_put_duplicate", "puts of a chunk DRAM already held"),
-    "gets": ("kvstore_gets", "chunks asked of get()/get_many()"),
-    "hits": ("kvstore_hits", "chunks get()/get_many() returned, from any tier"),
-    "misses": ("kvstore_misses", "chunks get()/get_many() found in no tier"),
-    "streamed": ("kvstore_streamed", "chunks opened by layer streams (prefetch), from any tier"),
-    "streamed_from_dram": ("kvstore_streamed_from_dram", "chunks layer streams found in DRAM"),
+# What each stats() counter is exposed as: (section, key) -> (metric, help); the tests check none is missing.
+# A section is stats()["store"], the stats() entry of each tier (labelled with the tier), or stats()["adaptive"].
+COUNTERS = {
+    ("store", "puts"): ("kvstore_puts", "put() calls"),
+    ("store", "put_rejected"): ("kvstore_put_rejected", "puts refused: every DRAM slot was held by a transfer"),
+    ("store", "put_duplicate"): ("kvstore_put_duplicate", "puts of a chunk DRAM already held"),
+    ("store", "gets"): ("kvstore_gets", "chunks asked of get()/get_many()"),
+    ("store", "hits"): ("kvstore_hits", "chunks get()/get_many() returned, from any tier"),
+    ("store", "misses"): ("kvstore_misses", "chunks get()/get_many() found in no tier"),
+    ("store", "streamed"): ("kvstore_streamed", "chunks opened by layer streams (prefetch), from any tier"),
+    ("store", "streamed_from_dram"): ("kvstore_streamed_from_dram", "chunks layer streams found in DRAM"),
+    ("tier", "hits"): ("kvstore_tier_hits", "chunks read from the tier"),
+    ("tier", "misses"): ("kvstore_tier_misses", "chunk reads the tier did not hold"),
+    ("tier", "bytes_read"): ("kvstore_tier_read_bytes", "stored bytes read from the tier"),
+    ("tier", "bytes_written"): ("kvstore_tier_written_bytes", "stored bytes written to the tier"),
+    ("tier", "writes"): ("kvstore_tier_writes", "chunks written to the tier"),
+    ("tier", "errors"): ("kvstore_tier_errors", "tier operations that raised (I/O error, full disk, server down)"),
+    ("tier", "timeouts"): ("kvstore_tier_timeouts", "tier operations that ran past their configured timeout"),
+    ("tier", "drops"): ("kvstore_tier_drops", "writes dropped: the tier's queue was full, or the store closed"),
+    ("tier", "corrupt"): ("kvstore_tier_corrupt", "objects that failed their checks (removed; read as a miss)"),
+    ("tier", "foreign"): ("kvstore_tier_foreign", "valid objects this store cannot open (another encryption key)"),
+    ("tier", "skipped"): ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
+    ("adaptive", "decisions"): ("kvstore_auto_decisions", "sizing decisions auto mode made"),
+    ("adaptive", "resizes"): ("kvstore_auto_resizes", "DRAM resizes auto mode made"),
+    ("adaptive", "policy_switches"): ("kvstore_auto_policy_switches", "write policy changes auto mode made"),
+    ("adaptive", "held_back"): ("kvstore_held_back", "chunks the second-sighting policy kept out of the lower tiers"),
+    ("adaptive", "released"): (
+        "kvstore_held_back_released",
+        "held-back chunks sent below later (a DRAM hit: a second sighting)",
+    ),
+    ("adaptive", "lookups_tracked"): ("kvstore_lookups_tracked", "chunk lookups the hit-rate tracker has processed"),
 }
-# TierStats field -> counter name and help, labelled with the tier.
-TIER_COUNTERS = {
-    "hits": ("kvstore_tier_hits", "chunks read from the tier"),
-    "misses": ("kvstore_tier_misses", "chunk reads the tier did not hold"),
-    "bytes_read": ("kvstore_tier_read_bytes", "stored bytes read from the tier"),
-    "bytes_written": ("kvstore_tier_written_bytes", "stored bytes written to the tier"),
-    "writes": ("kvstore_tier_writes", "chunks written to the tier"),
-    "errors": ("kvstore_tier_errors", "tier operations that raised (I/O error, full disk, server down)"),
-    "timeouts": ("kvstore_tier_timeouts", "tier operations that ran past their configured timeout"),
-    "drops": ("kvstore_tier_drops", "writes dropped: the tier's queue was full, or the store closed"),
-    "corrupt": ("kvstore_tier_corrupt", "objects that failed their checks (removed; read as a miss)"),
-    "foreign": ("kvstore_tier_foreign", "valid objects this store cannot open (another encryption key)"),
-    "skipped": ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
-}
-GAUGES = {
-    "kvstore_dram_capacity_bytes": ("bytes of the DRAM slab pool", NS),
-    "kvstore_dram_used_bytes": ("bytes of the DRAM pool holding chunks", NS),
-    "kvstore_dram_chunks": ("chunks held in DRAM", NS),
-    "kvstore_dram_referenced_slots": ("DRAM slots held by a transfer in progress", NS),
-    "kvstore_tier_queue_depth": ("writes waiting in the tier's queue (queue_depth at most)", NS_TIER),
-    "kvstore_write_policy_second_sighting": ("1 while the write policy is second-sighting, else 0", NS),
-}
-# stats()["adaptive"] key -> counter name and help (adaptive sizing: see kvstore.sizing.adaptive).
-ADAPTIVE_COUNTERS = {
-    "decisions": ("kvstore_auto_decisions", "sizing decisions auto mode made"),
-    "resizes": ("kvstore_auto_resizes", "DRAM resizes auto mode made"),
-    "policy_switches": ("kvstore_auto_policy_switches", "write policy changes auto mode made"),
-    "held_back": ("kvstore_held_back", "chunks the second-sighting policy kept out of the lower tiers"),
-    "released": ("kvstore_held_back_released", "held-back chunks sent below later (a DRAM hit: a second sighting)"),
-    "lookups_tracked": ("kvstore_lookups_tracked", "chunk lookups the hit-rate tracker has processed"),
-}
+STORE_COUNTERS, TIER_COUNTERS, ADAPTIVE_COUNTERS = (
+    {key: metric for (place, key), metric in COUNTERS.items() if place == section}
+    for section in ("store", "tier", "adaptive")
+)
 EXTRA_COUNTERS = {
     "kvstore_dram_evictions": ("chunks evicted from DRAM to make room", NS),
     **{name: (help_text, NS) for name, help_text in ADAPTIVE_COUNTERS.values()},
 }
-HISTOGRAMS = {
+# Gauges and histograms: name -> (kind, help, labels); what each reads is in _read().
+FAMILIES = {
+    "kvstore_dram_capacity_bytes": ("gauge", "bytes of the DRAM slab pool", NS),
+    "kvstore_dram_used_bytes": ("gauge", "bytes of the DRAM pool holding chunks", NS),
+    "kvstore_dram_chunks": ("gauge", "chunks held in DRAM", NS),
+    "kvstore_dram_referenced_slots": ("gauge", "DRAM slots held by a transfer in progress", NS),
+    "kvstore_tier_queue_depth": ("gauge", "writes waiting in the tier's queue (queue_depth at most)", NS_TIER),
+    "kvstore_write_policy_second_sighting": ("gauge", "1 while the write policy is second-sighting, else 0", NS),
     "kvstore_tier_read_seconds": (
+        "histogram",
         "seconds per tier read (one batch: a get's chunks missing from faster tiers)",
         NS_TIER,
     ),
-    "kvstore_tier_write_seconds": ("seconds per tier write (one batch of up to 8 queued chunks)", NS_TIER),
-    "kvstore_tier_lookup_seconds": ("seconds per tier lookup (how many leading chunks it holds)", NS_TIER),
-    "kvstore_lookup_seconds": ("seconds per lookup() call", NS),
-    "kvstore_get_seconds": ("seconds per get()/get_many() call", NS),
+    "kvstore_tier_write_seconds": ("histogram", "seconds per tier write (one batch of up to 8 queued chunks)", NS_TIER),
+    "kvstore_tier_lookup_seconds": ("histogram", "seconds per tier lookup (how many leading chunks it holds)", NS_TIER),
+    "kvstore_lookup_seconds": ("histogram", "seconds per lookup() call", NS),
+    "kvstore_get_seconds": ("histogram", "seconds per get()/get_many() call", NS),
 }
+GAUGES = {name: (help_text, labels) for name, (kind, help_text, labels) in FAMILIES.items() if kind == "gauge"}
+HISTOGRAMS = {name: (help_text, labels) for name, (kind, help_text, labels) in FAMILIES.items() if kind == "histogram"}
 
-_stores: weakref.WeakSet[KVStore] = weakref.WeakSet()
+
+class MeteredTier(Protocol):
+    """What a scrape reads of one tier: its name (a label) and its latency histograms."""
+
+    name: str
+    latency: TierLatency
+
+
+class MeteredStore(Protocol):
+    """What a scrape reads of a store (:class:`kvstore.KVStore` is one): counters and histograms, no I/O."""
+
+    namespace: str
+    latency: StoreLatency
+
+    @property
+    def tiers(self) -> Sequence[MeteredTier]: ...
+
+    def stats(self) -> dict[str, dict[str, Any]]: ...
+
+
+_stores: weakref.WeakSet[MeteredStore] = weakref.WeakSet()
 _stores_lock = threading.Lock()
 
 
-def register(store: KVStore) -> None:
+def register(store: MeteredStore) -> None:
     """Include ``store`` in every scrape (``KVStore.open`` calls this)."""
     with _stores_lock:
         _stores.add(store)
 
 
-def unregister(store: KVStore) -> None:
+def unregister(store: MeteredStore) -> None:
     """Leave ``store`` out of scrapes from now on (``KVStore.close`` calls this)."""
     with _stores_lock:
         _stores.discard(store)
 
 
-def registered_stores() -> list[KVStore]:
+def registered_stores() -> list[MeteredStore]:
     with _stores_lock:
         return list(_stores)
 
@@ -122,7 +144,7 @@ Sample = tuple[str, tuple[str, ...], float]
 HistSample = tuple[str, tuple[str, ...], Histogram]
 
 
-def _read(store: KVStore) -> tuple[list[Sample], list[HistSample]]:
+def _read(store: MeteredStore) -> tuple[list[Sample], list[HistSample]]:
     """One store's samples: (metric, label values, value) and (metric, label values, histogram)."""
     stats = store.stats()
     ns = store.namespace
@@ -170,7 +192,7 @@ class KVStoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         return self._families(registered_stores())
 
-    def _families(self, stores: list[KVStore]) -> Iterator[Metric]:
+    def _families(self, stores: list[MeteredStore]) -> Iterator[Metric]:
         values: defaultdict[str, defaultdict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
         buckets: dict[str, dict[tuple[str, ...], tuple[list[int], float]]] = defaultdict(dict)
         for store in stores:

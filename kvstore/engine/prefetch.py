@@ -16,22 +16,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import torch
 
+from kvstore.engine.dram import SlabPool
 from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.layer_reader import LayerReader
+from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
 
-if TYPE_CHECKING:
-    from kvstore.engine.store import KVStore
-
 log = logging.getLogger("kvstore.prefetch")
+
+
+@dataclass(frozen=True)
+class StreamSources:
+    """What a layer stream needs from the store that opens it, and nothing more of it.
+
+    The store builds one and hands it to every stream it opens; a stream never reaches into the
+    store itself. ``opened`` is told, per stream, which chunks DRAM held (their slots, else None):
+    the store counts them and treats a DRAM hit as a chunk's second sighting.
+    """
+
+    layout: KVLayout
+    pool: SlabPool  # chunks in DRAM are copied from their slots (referenced while the stream runs)
+    tiers: Sequence[ChunkTier]  # the others are opened from the fastest tier that has them
+    executor: Executor  # for blocking file reads
+    read_timeout: float  # seconds a remote tier may take per request (timeouts.get)
+    opened: Callable[[Sequence[ChunkKey], Sequence[int | None]], None]
 
 
 class LayerStream:
@@ -42,9 +59,9 @@ class LayerStream:
     """
 
     def __init__(
-        self, store: KVStore, keys: Sequence[ChunkKey], depth: int, outs: Sequence[torch.Tensor] | None
+        self, sources: StreamSources, keys: Sequence[ChunkKey], depth: int, outs: Sequence[torch.Tensor] | None
     ) -> None:
-        layout = store.layout
+        layout = sources.layout
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
         self.shape = (layout.kv_planes, len(keys) * layout.chunk_tokens, layout.num_kv_heads, layout.head_dim)
@@ -54,7 +71,7 @@ class LayerStream:
             for out in outs:
                 if tuple(out.shape) != self.shape or out.dtype != layout.dtype:
                     raise ValueError(f"prefetch outputs must be {layout.dtype} tensors of shape {self.shape}")
-        self._store, self._keys, self._depth, self._outs = store, list(keys), depth, outs
+        self._sources, self._keys, self._depth, self._outs = sources, list(keys), depth, outs
         loop = asyncio.get_running_loop()
         self._ready: list[asyncio.Future[torch.Tensor]] = [loop.create_future() for _ in range(layout.num_layers)]
         # The same outcomes for engine threads, readable without a hop to the loop (see SyncLayerStream).
@@ -142,19 +159,17 @@ class LayerStream:
 
     async def _open_sources(self) -> None:
         """Per chunk: a DRAM slot (referenced), else the fastest tier's reader (each tier opens its batch at once)."""
-        store = self._store
-        self._slots = [store.pool.acquire(key) for key in self._keys]
-        store._release_held_back(self._keys, self._slots)  # a DRAM hit is a second sighting
+        sources = self._sources
+        self._slots = [sources.pool.acquire(key) for key in self._keys]
+        sources.opened(self._keys, self._slots)
         self._readers = [None] * len(self._keys)
         missing = [index for index, slot in enumerate(self._slots) if slot is None]
-        store._counters["streamed"] += len(self._keys)
-        store._counters["streamed_from_dram"] += len(self._keys) - len(missing)
-        for tier in store.tiers:
+        for tier in sources.tiers:
             if not missing:
                 return
             # Files are opened in one thread call that is not cancelled midway (that would leak their
             # descriptors); a remote tier's header reads are bounded by its timeout.
-            timeout = None if tier.is_local else store.config.timeouts.get
+            timeout = None if tier.is_local else sources.read_timeout
             try:
                 opened = await asyncio.wait_for(tier.open_layers_many([self._keys[i] for i in missing]), timeout)
             except TimeoutError:
@@ -168,14 +183,14 @@ class LayerStream:
 
     async def _fetch(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` of every chunk, concatenated along the token axis."""
-        layout, store = self._store.layout, self._store
+        layout, pool = self._sources.layout, self._sources.pool
         out = self._outs[layer] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
         tokens = layout.chunk_tokens
         reads, local = [], []
         for index, (slot, reader) in enumerate(zip(self._slots, self._readers, strict=True)):
             target = out[:, index * tokens : (index + 1) * tokens]
             if slot is not None:
-                copy_between(target, store.pool.tensor(slot)[layer])
+                copy_between(target, pool.tensor(slot)[layer])
             elif reader is not None and reader.is_local:
                 local.append((reader, target))
             else:
@@ -187,7 +202,7 @@ class LayerStream:
         return out
 
     async def _read_local(self, items: list[tuple[LayerReader, torch.Tensor]], layer: int) -> None:
-        outcomes = await in_thread(self._store._executor, _read_files, items, layer, self._store.layout)
+        outcomes = await in_thread(self._sources.executor, _read_files, items, layer, self._sources.layout)
         failed = None
         for (reader, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
@@ -199,14 +214,14 @@ class LayerStream:
             raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk")
 
     async def _read(self, reader: LayerReader, layer: int, target: torch.Tensor) -> None:
-        layout, store = self._store.layout, self._store
+        layout = self._sources.layout
         contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
         try:
             # Later layers ride along in the same request, as far as the stream may run ahead.
             ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
             read = reader.read_counted(layer, tensor_bytes(contiguous), ahead)
-            ok = await asyncio.wait_for(read, store.config.timeouts.get)
+            ok = await asyncio.wait_for(read, self._sources.read_timeout)
         except TimeoutError:
             reader.tier.stats.timeouts += 1
             raise PrefetchError(f"layer {layer} of {where} timed out") from None
@@ -218,7 +233,7 @@ class LayerStream:
     def _release(self) -> None:
         for slot in self._slots:
             if slot is not None:
-                self._store.pool.release(slot)
+                self._sources.pool.release(slot)
         for reader in self._readers:
             if reader is not None:
                 reader.close()

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,19 +25,21 @@ from kvstore.backends import make_backend
 from kvstore.codecs import make_codec
 from kvstore.config import StoreConfig
 from kvstore.engine import metrics
+from kvstore.engine.costs import measured_costs
 from kvstore.engine.dram import SlabPool
-from kvstore.engine.prefetch import LayerStream
+from kvstore.engine.operations import TierOperations
+from kvstore.engine.prefetch import LayerStream, StreamSources
+from kvstore.engine.stats import StoreLatency
 from kvstore.errors import StoreClosedError, TierTimeout
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
-from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker, store_advice
-from kvstore.sizing.advice import Advice, Policy
+from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker
+from kvstore.sizing.advice import Advice, CostModel, Policy, advise
+from kvstore.sizing.mrc import ReuseProfile
 from kvstore.storage.crypto import ChunkCipher
-from kvstore.storage.stats import Histogram, StoreLatency
 from kvstore.storage.tier import ChunkTier
 
 log = logging.getLogger("kvstore")
-T = TypeVar("T")
 WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
 
 
@@ -66,9 +68,9 @@ class KVStore:
         self.adaptive = AdaptiveCounters()
         self._tracker: AccessTracker | None = None
         self._held_back = HeldBack(2 * self.pool.max_slots)
-        self._auto = AutoMode(self) if adaptive.auto else None
+        self._auto: AutoMode | None = None  # made at open(), with the tracker
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
-        self._counters = {
+        self._counters = {  # what the engine asked: stats()["store"], the kvstore_* counters
             "puts": 0,
             "put_rejected": 0,
             "put_duplicate": 0,
@@ -78,9 +80,12 @@ class KVStore:
             "streamed": 0,  # chunks opened by layer streams (prefetch), from any tier
             "streamed_from_dram": 0,
         }
+        self._stream_sources = StreamSources(
+            layout, self.pool, self.tiers, self._executor, config.timeouts.get, self._stream_opened
+        )
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
         self._workers: list[asyncio.Task[None]] = []
-        self._in_flight: set[asyncio.Future[Any]] = set()  # tier operations, tracked until they end
+        self._operations = TierOperations()  # each bounded by its timeout, tracked until it really ends
         self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
         self.latency = StoreLatency()  # per lookup/get call; each tier keeps its own (tier.latency)
         self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
@@ -111,7 +116,11 @@ class KVStore:
             raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
         if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
             self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
-        self._tracker = make_tracker(self)  # before any I/O too: a trace path that fails stops the store here
+        # Before any I/O too: a trace path that fails stops the store here.
+        self._tracker = make_tracker(self.config.adaptive, self._trace_meta())
+        if self.config.adaptive.auto:
+            assert self._tracker is not None  # auto mode always tracks
+            self._auto = AutoMode(self, self._tracker, self.config.adaptive, self.config.dram_bounds(), self.adaptive)
         for tier in self.tiers:
             await tier.open()
         for tier in self.tiers:
@@ -154,8 +163,7 @@ class KVStore:
                 _, slot = queue.get_nowait()
                 tier.stats.drops += 1
                 self.pool.release(slot)
-        for operation in list(self._in_flight):
-            operation.cancel()  # slots are released by their own callbacks when threads end
+        self._operations.cancel_all()  # slots are released by their own callbacks when threads end
         for tier in self.tiers:
             try:
                 await asyncio.wait_for(tier.close(), self.config.timeouts.close)
@@ -237,7 +245,9 @@ class KVStore:
                 write = tier.write_many([(key, self.pool.buffer(slot)) for key, slot in batch])
                 end_of_write = self._releaser([slot for _, slot in batch])
                 timeout = self.config.timeouts.put * len(batch)
-                outcomes = await self._bounded(write, timeout, tier, tier.latency.write, end_of_write)
+                outcomes = await self._operations.bounded(
+                    write, timeout, tier.name, tier.stats, tier.latency.write, end_of_write
+                )
                 for (key, _), outcome in zip(batch, outcomes, strict=True):
                     if outcome is not None:
                         log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], outcome)
@@ -269,7 +279,9 @@ class KVStore:
             for tier in self.tiers:
                 try:
                     prefix = tier.prefix_count(keys[count:])
-                    found = await self._bounded(prefix, self.config.timeouts.get, tier, tier.latency.lookup)
+                    found = await self._operations.bounded(
+                        prefix, self.config.timeouts.get, tier.name, tier.stats, tier.latency.lookup
+                    )
                 except TierTimeout:
                     continue
                 if found > 0:
@@ -386,7 +398,9 @@ class KVStore:
                 read = tier.read_many_into([keys[i] for i, _ in reserved], [self.pool.buffer(s) for _, s in reserved])
                 end_of_read = self._releaser([slot for _, slot in reserved])
                 timeout = self.config.timeouts.get * len(reserved)
-                found = await self._bounded(read, timeout, tier, tier.latency.read, end_of_read)
+                found = await self._operations.bounded(
+                    read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read
+                )
             except TierTimeout:
                 found = [False] * len(reserved)
             except BaseException:
@@ -404,35 +418,6 @@ class KVStore:
                 else:
                     pending.append(i)
         return result
-
-    async def _bounded(
-        self,
-        operation: Awaitable[T],
-        timeout: float,
-        tier: ChunkTier,
-        latency: Histogram,
-        on_end: Callable[[], None] | None = None,
-    ) -> T:
-        """Await ``operation`` for at most ``timeout`` seconds, else raise :class:`TierTimeout`.
-
-        The wait goes into ``latency`` (a timed-out one as about ``timeout``: what the engine waited).
-        ``on_end`` runs when the operation has really ended (maybe long after a timeout): that
-        is when the slots it used may be released.
-        """
-        start = time.perf_counter()
-        task = asyncio.ensure_future(operation)
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
-        if on_end is not None:
-            task.add_done_callback(lambda _: on_end())
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        latency.observe(time.perf_counter() - start)
-        if not done:
-            tier.stats.timeouts += 1
-            log.warning("%s tier: operation exceeded its %.1fs timeout", tier.name, timeout)
-            task.cancel()
-            raise TierTimeout(tier.name)
-        return task.result()
 
     def _releaser(self, slots: list[int]) -> Callable[[], None]:
         """A callback that drops one reference to each of ``slots`` (when an operation ends)."""
@@ -452,7 +437,45 @@ class KVStore:
                 self._enqueue(self.tiers, key, slot)
                 self.adaptive.released += 1
 
-    # -- adaptive sizing -----------------------------------------------------------------------
+    def _stream_opened(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
+        """A layer stream found ``slots`` (None: not in DRAM) for ``keys``: count; a DRAM hit is a second sighting."""
+        self._release_held_back(keys, slots)
+        self._counters["streamed"] += len(keys)
+        self._counters["streamed_from_dram"] += sum(slot is not None for slot in slots)
+
+    # -- adaptive sizing (what auto mode may read and change: kvstore.sizing.adaptive.SizingTarget) ----
+
+    @property
+    def dram_bytes(self) -> int:
+        """The DRAM tier's capacity now (auto mode may resize it)."""
+        return self.pool.capacity_bytes
+
+    async def resize_dram(self, capacity_bytes: int) -> int:
+        """Resize the DRAM pool in a worker thread (a grow allocates); the capacity it has afterwards."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.pool.resize, capacity_bytes)
+        return self.pool.capacity_bytes
+
+    def sizing_advice(self, bounds: tuple[int, int] | None) -> tuple[Advice, ReuseProfile, CostModel]:
+        """:meth:`advise`, with the reuse profile and the cost model it came from (auto mode weighs them again)."""
+        if self._tracker is None:
+            raise RuntimeError("advise() needs the access tracker: set adaptive.track = true")
+        settings = self.config.adaptive
+        profile = self._tracker.profile()
+        cost = measured_costs(self.layout, self.tiers, settings.prefill_tokens_per_s)
+        advice = advise(profile, cost, self.pool.capacity_bytes, self.policy, bounds=bounds, knee=settings.knee)
+        return advice, profile, cost
+
+    def _trace_meta(self) -> dict[str, Any]:
+        """What a trace file records about this store, for ``kvstore advise`` to size chunks by."""
+        layout = self.layout
+        return {
+            "chunk_tokens": layout.chunk_tokens,
+            "chunk_bytes": layout.chunk_nbytes,
+            "layout": layout.describe(),
+            "namespace": namespace_dir(self.namespace),
+            "dram_bytes": self.pool.capacity_bytes,
+            "started": time.time(),
+        }
 
     def advise(self, bounds: tuple[int, int] | None = None) -> Advice:
         """Hit rate against DRAM size for the traffic seen so far, the size and write policy to use, and why.
@@ -460,7 +483,7 @@ class KVStore:
         ``bounds`` (bytes) limits the recommended size; by default sizes from 1/8x to 8x are considered.
         """
         self._check_open()
-        return store_advice(self, bounds)[0]
+        return self.sizing_advice(bounds)[0]
 
     def prefetch(
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
@@ -474,7 +497,7 @@ class KVStore:
         self._check_open()
         for key in keys:
             key_to_bytes(key)
-        return LayerStream(self, keys, depth, outs)
+        return LayerStream(self._stream_sources, keys, depth, outs)
 
     async def flush(self) -> None:
         """Wait until every queued write has reached its tier (or failed, or timed out)."""
@@ -498,4 +521,3 @@ class KVStore:
                 f"{what} must be a {self.layout.dtype} tensor of shape {self.layout.chunk_shape} "
                 f"([layers, planes, tokens, heads, head_dim]), got {tensor.dtype} {tuple(tensor.shape)}"
             )
-

@@ -5,6 +5,10 @@ thousand, right after the lookup that filled a batch returns: hashed, fed to the
 sampler (:mod:`kvstore.sizing.mrc`, which also counts sightings for the second-sighting write policy)
 and, when asked, appended to a trace file that ``kvstore advise`` reads. Everything here runs on
 the store's event loop; nothing is shared with other threads.
+
+Auto mode sees the store only through :class:`SizingTarget`: what it may read (the advice for the
+traffic so far, the DRAM size) and change (the write policy, the DRAM size). Nothing here imports
+the engine.
 """
 
 from __future__ import annotations
@@ -17,19 +21,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
+from kvstore.config import AdaptiveConfig
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, namespace_dir
-from kvstore.sizing.advice import DEFAULT_BANDWIDTH, UNBOUNDED, Advice, CostModel, TierCost, advise
+from kvstore.keys import ChunkKey
+from kvstore.sizing.advice import Advice, CostModel, Policy
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
 from kvstore.sizing.traces import TraceWriter, key_ids
-
-if TYPE_CHECKING:
-    from kvstore.engine.store import KVStore
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys
@@ -153,7 +154,7 @@ class HeldBack:
 
 
 class AdaptiveCounters:
-    """What auto mode did, for ``stats()`` and Prometheus."""
+    """What auto mode and the write policy did, for ``stats()["adaptive"]`` and Prometheus."""
 
     def __init__(self) -> None:
         self.decisions = 0
@@ -168,87 +169,59 @@ class AdaptiveCounters:
         return dict(vars(self))
 
 
-def make_tracker(store: KVStore) -> AccessTracker | None:
-    """The store's tracker, if anything needs one (advice, auto mode, a policy, a trace)."""
-    adaptive = store.config.adaptive
-    wanted = adaptive.track or adaptive.auto or adaptive.policy != "write-through" or adaptive.trace is not None
+def make_tracker(settings: AdaptiveConfig, trace_meta: dict[str, Any]) -> AccessTracker | None:
+    """A store's tracker, if anything needs one (advice, auto mode, a policy, a trace); else None.
+
+    ``trace_meta`` describes the store for a trace file's readers (layout, chunk size, namespace).
+    A trace path that cannot be created raises :class:`ConfigError` naming it.
+    """
+    wanted = settings.track or settings.auto or settings.policy != "write-through" or settings.trace is not None
     if not wanted:
         return None
-    layout = store.layout
-    meta = {
-        "chunk_tokens": layout.chunk_tokens,
-        "chunk_bytes": layout.chunk_nbytes,
-        "layout": layout.describe(),
-        "namespace": namespace_dir(store.namespace),
-        "dram_bytes": store.pool.capacity_bytes,
-        "started": time.time(),
-    }
     try:
         return AccessTracker(
-            sample_rate=adaptive.sample_rate,
-            max_watches=adaptive.max_watches,
-            half_life=adaptive.half_life,
-            trace_path=adaptive.trace,
-            trace_meta=meta,
+            sample_rate=settings.sample_rate,
+            max_watches=settings.max_watches,
+            half_life=settings.half_life,
+            trace_path=settings.trace,
+            trace_meta=trace_meta,
         )
     except OSError as exc:
-        raise ConfigError(f"adaptive.trace: cannot create {adaptive.trace} ({exc}); fix the path") from None
+        raise ConfigError(f"adaptive.trace: cannot create {settings.trace} ({exc}); fix the path") from None
 
 
-def cost_model(store: KVStore) -> CostModel:
-    """Seconds per chunk to recompute, copy in DRAM and use each tier: the store's own timings where it has them."""
-    chunk = store.layout.chunk_nbytes
-    lower = []
-    for tier in store.tiers:
-        stats, latency = tier.stats, tier.latency
-        local = tier.is_local
-        default_read = DEFAULT_BANDWIDTH["disk_read" if local else "remote"]
-        default_write = DEFAULT_BANDWIDTH["disk_write" if local else "remote"]
-        read_s = latency.read.sum / stats.hits if stats.hits >= 8 else chunk / default_read
-        writes = stats.writes + stats.skipped
-        write_s = latency.write.sum / writes if writes >= 8 else chunk / default_write
-        capacity = getattr(tier.backend, "capacity_bytes", None)
-        stored = stats.bytes_written / stats.writes if stats.writes else chunk
-        chunks = capacity / max(1.0, stored) if capacity else UNBOUNDED
-        lower.append(TierCost(tier.name, chunks, read_s, write_s))
-    return CostModel(
-        chunk_bytes=chunk,
-        recompute_s=store.layout.chunk_tokens / store.config.adaptive.prefill_tokens_per_s,
-        dram_copy_s=chunk / copy_bandwidth(),
-        lower=lower,
-    )
+class SizingTarget(Protocol):
+    """What auto mode may read and change in a store (:class:`kvstore.KVStore` is one)."""
 
+    policy: Policy  # the write policy in force; auto mode assigns the one it recommends
 
-def store_advice(store: KVStore, bounds: tuple[int, int] | None) -> tuple[Advice, ReuseProfile, CostModel]:
-    """The store's advice, with the curve and the costs it came from (auto mode weighs them again)."""
-    if store._tracker is None:
-        raise RuntimeError("advise() needs the access tracker: set adaptive.track = true")
-    profile, cost = store._tracker.profile(), cost_model(store)
-    knee = store.config.adaptive.knee
-    return advise(profile, cost, store.pool.capacity_bytes, store.policy, bounds=bounds, knee=knee), profile, cost
+    @property
+    def dram_bytes(self) -> int:
+        """The DRAM tier's capacity now."""
+        ...
 
+    def sizing_advice(self, bounds: tuple[int, int] | None) -> tuple[Advice, ReuseProfile, CostModel]:
+        """The advice for the traffic seen so far, with the curve and the costs it came from (no I/O)."""
+        ...
 
-_copy_rate: float | None = None
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a copy into pre-allocated memory, measured once per process (~10 ms)."""
-    global _copy_rate
-    if _copy_rate is None:
-        source, target = torch.ones(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
-        target.copy_(source)  # first touch
-        start = time.perf_counter()
-        for _ in range(4):
-            target.copy_(source)
-        _copy_rate = 4 * source.numel() / max(1e-6, time.perf_counter() - start)
-    return _copy_rate
+    async def resize_dram(self, capacity_bytes: int) -> int:
+        """Resize the DRAM tier (off the event loop: it allocates); the capacity it has afterwards."""
+        ...
 
 
 class AutoMode:
     """Auto mode for one store: now and then, decides the DRAM size and the write policy; logs and counts changes."""
 
-    def __init__(self, store: KVStore) -> None:
-        self.store = store
+    def __init__(
+        self,
+        target: SizingTarget,
+        tracker: AccessTracker,
+        settings: AdaptiveConfig,
+        bounds: tuple[int, int],
+        counters: AdaptiveCounters,
+    ) -> None:
+        self.target, self.tracker, self.settings = target, tracker, settings
+        self.bounds, self.counters = bounds, counters
         self._task: asyncio.Task[None] | None = None
         self._last = (0, time.monotonic())  # (lookups seen, time) at the last decision
 
@@ -258,49 +231,46 @@ class AutoMode:
             self._task.cancel()
 
     def maybe_decide(self) -> None:
-        """Start a decision when enough lookups and time have passed since the last one."""
-        tracker, adaptive = self.store._tracker, self.store.config.adaptive
-        assert tracker is not None
+        """Start a decision when enough lookups and time have passed since the last one (never waits)."""
         if self._task is not None and not self._task.done():
             return
-        seen, (references, at) = tracker.references + tracker.pending, self._last
-        if seen - references < adaptive.min_references or time.monotonic() - at < adaptive.interval:
+        seen, (references, at) = self.tracker.references + self.tracker.pending, self._last
+        if seen - references < self.settings.min_references or time.monotonic() - at < self.settings.interval:
             return
         self._last = (seen, time.monotonic())
         self._task = asyncio.create_task(self.decide(), name="kvstore-auto")
 
     async def decide(self) -> None:
-        """One decision: the write policy, then DRAM resized within the bounds (in a thread: it allocates)."""
-        store, counters = self.store, self.store.adaptive
+        """One decision: the write policy, then DRAM resized within the bounds."""
+        target, counters = self.target, self.counters
         try:
-            advice, profile, cost = store_advice(store, store.config.dram_bounds())
+            advice, profile, cost = target.sizing_advice(self.bounds)
             counters.decisions += 1
             policy = advice.recommended_policy
-            if policy != store.policy:
+            if policy != target.policy:
                 log.info(
                     "auto: write policy %s -> %s (net saving %+.1f%% -> %+.1f%% of prefill)",
-                    store.policy,
+                    target.policy,
                     policy,
-                    100 * advice.savings[store.policy],
+                    100 * advice.savings[target.policy],
                     100 * advice.savings[policy],
                 )
-                store.policy = policy
+                target.policy = policy
                 counters.policy_switches += 1
-            before, target = store.pool.capacity_bytes, advice.recommended_dram_bytes
-            chunk = store.layout.chunk_nbytes
-            gain = cost.net_saving(profile, target / chunk, policy) - cost.net_saving(profile, before / chunk, policy)
+            before, wanted = target.dram_bytes, advice.recommended_dram_bytes
+            chunk = cost.chunk_bytes
+            gain = cost.net_saving(profile, wanted / chunk, policy) - cost.net_saving(profile, before / chunk, policy)
             # Hysteresis, so sampling noise does not resize back and forth: grow for a real gain, shrink
             # for real memory (the knee already bounds what a shrink gives up).
-            if target == before or (target > before and gain < GROW_GAIN) or (before > target > SHRINK_BY * before):
+            if wanted == before or (wanted > before and gain < GROW_GAIN) or (before > wanted > SHRINK_BY * before):
                 return
-            await asyncio.get_running_loop().run_in_executor(store._executor, store.pool.resize, target)
-            after = store.pool.capacity_bytes
+            after = await target.resize_dram(wanted)
             if after == before:
                 return
             counters.resizes += 1
             counters.grown += after > before
             counters.shrunk += after < before
-            expected = next(row.dram_hit_rate for row in advice.rows if row.dram_bytes == target)
+            expected = next(row.dram_hit_rate for row in advice.rows if row.dram_bytes == wanted)
             log.info(
                 "auto: DRAM %d -> %d chunks (%.1f -> %.1f MiB; DRAM hit rate %.0f%% expected)",
                 before // chunk,

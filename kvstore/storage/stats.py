@@ -1,4 +1,7 @@
-"""Counters and latency histograms per tier, read by ``KVStore.stats()``, the CLI and Prometheus."""
+"""Counters and latency histograms per tier, read by ``KVStore.stats()``, the CLI and Prometheus.
+
+The store's own, for the calls the engine makes, are in :mod:`kvstore.engine.stats`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ LATENCY_BUCKETS = (
 
 @dataclass
 class TierStats:
+    """What one tier did, in chunks and stored bytes: ``stats()[tier]``, the ``kvstore_tier_*`` metrics."""
+
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
@@ -60,11 +65,3 @@ class TierLatency:
     read: Histogram = field(default_factory=Histogram)
     write: Histogram = field(default_factory=Histogram)
     lookup: Histogram = field(default_factory=Histogram)
-
-
-@dataclass
-class StoreLatency:
-    """Seconds per engine-facing call: ``lookup`` and ``get``/``get_many``."""
-
-    lookup: Histogram = field(default_factory=Histogram)
-    get: Histogram = field(default_factory=Histogram)

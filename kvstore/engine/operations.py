@@ -1,0 +1,66 @@
+"""Tier operations the store waits for: each bounded by its timeout, each tracked until it really ends.
+
+An engine must never wait on a tier longer than the configured timeout, so the store stops
+waiting then and counts a timeout. But the operation itself may still be running (a thread
+reading a file into a DRAM slot, a request streaming into one): the memory it uses must not be
+handed to another chunk until it has really finished. So every operation is a task kept here
+until it ends, and whatever it holds is released by a callback at that moment, not when the
+store gave up waiting. ``cancel_all`` (at close) asks the stragglers to stop; their callbacks
+still release what they hold when they do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from kvstore.errors import TierTimeout
+from kvstore.storage.stats import Histogram, TierStats
+
+log = logging.getLogger("kvstore")
+T = TypeVar("T")
+
+
+class TierOperations:
+    """The tier operations in flight on one store's event loop (not thread-safe: the loop's only)."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Future[Any]] = set()
+
+    async def bounded(
+        self,
+        operation: Awaitable[T],
+        timeout: float,
+        tier: str,
+        stats: TierStats,
+        latency: Histogram,
+        on_end: Callable[[], None] | None = None,
+    ) -> T:
+        """Await ``operation`` for at most ``timeout`` seconds, else count it and raise :class:`TierTimeout`.
+
+        The wait goes into ``latency`` (a timed-out one as about ``timeout``: what the engine waited).
+        ``on_end`` runs when the operation has really ended (maybe long after a timeout): that is
+        when the memory it used may be released.
+        """
+        start = time.perf_counter()
+        task = asyncio.ensure_future(operation)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        if on_end is not None:
+            task.add_done_callback(lambda _: on_end())
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        latency.observe(time.perf_counter() - start)
+        if not done:
+            stats.timeouts += 1
+            log.warning("%s tier: operation exceeded its %.1fs timeout", tier, timeout)
+            task.cancel()
+            raise TierTimeout(tier)
+        return task.result()
+
+    def cancel_all(self) -> None:
+        """Ask every operation still running to stop (the store is closing); their ``on_end`` still runs."""
+        for operation in list(self._running):
+            operation.cancel()
