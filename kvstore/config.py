@@ -39,7 +39,6 @@ from pydantic_settings import (
 
 from kvstore.codecs import make_codec
 from kvstore.errors import ConfigError
-from kvstore.util.units import human_bytes as human_bytes  # re-exported: its home before util/units.py
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"

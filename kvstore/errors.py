@@ -1,8 +1,9 @@
-"""Every error kvstore raises on purpose, under one root: ``except kvstore.KVStoreError`` catches them all.
+"""The errors kvstore defines, under one root: ``except kvstore.KVStoreError`` catches every one of them.
 
-Each error also derives from the built-in kind that says what happened, where one fits, so code
-written against the built-ins keeps working: bad input is a ``ValueError``, a wait that ran out
-is a ``TimeoutError``, something that cannot be used now is a ``RuntimeError``.
+Each also derives from the built-in kind that says what happened, where one fits, so code written
+against the built-ins keeps working: bad input is a ``ValueError``, a wait that ran out is a
+``TimeoutError``, something that cannot be used now is a ``RuntimeError``. (A programming error,
+such as opening a store twice or passing a tensor of the wrong shape, raises the built-in kind.)
 
 Most errors about stored objects never reach an engine: the tier (:mod:`kvstore.storage.tier`)
 turns a corrupt, foreign or undecodable object into a counted miss. They are public so that
@@ -29,6 +30,10 @@ class StoreClosedError(KVStoreError, RuntimeError):
 
 class PrefetchError(KVStoreError, RuntimeError):
     """A layer of a layer stream could not be loaded (and nor can any later one): recompute the prefix."""
+
+
+class LayerTimeout(PrefetchError, TimeoutError):
+    """A layer did not arrive within the time an engine thread allowed it (``SyncLayerStream.wait_layer``)."""
 
 
 class TierTimeout(KVStoreError, TimeoutError):

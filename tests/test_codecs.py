@@ -359,6 +359,23 @@ def test_every_built_in_stage_declares_its_kind():
 
 
 @pytest.mark.parametrize(
+    "name",
+    [
+        "zstd+bytesplit",
+        "lz4+fp8",
+        "fp8+bytesplit",
+        "bytesplit+fp8",
+        "bytesplit+bytesplit",
+        "identity+fp8",
+        "zstd:3+bytesplit:3",
+    ],
+)
+def test_transform_stages_must_come_first(name):
+    with pytest.raises(ValueError, match="must come first"):
+        make_codec(name)
+
+
+@pytest.mark.parametrize(
     "name, fragments",
     [
         ("zstd+bytesplit", ["'bytesplit' (array→bytes)", "must come first", "bytes→bytes stage 'zstd'"]),

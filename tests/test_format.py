@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 from kvstore import ChunkFormatError, KVLayout, chunk_keys
 from kvstore.codecs import make_codec, roundtrip_error
+from kvstore.errors import ForeignChunkError
 from kvstore.storage.container import (
     HEADER_ALIGN,
     MAGIC,
     VERSION,
+    check_stored_chunk,
     checksum,
     decode_chunk,
     decode_layer,
@@ -380,6 +382,19 @@ def test_forged_headers_with_valid_checksums_are_rejected(mutate, message):
     data = _forged(mutate)
     with pytest.raises(ChunkFormatError, match=message):
         decode(data)
+
+
+@pytest.mark.parametrize("name", [b"snappy", b"zstd:99", b"zstd+bytesplit"])
+def test_a_codec_this_process_lacks_makes_a_foreign_chunk_that_verify_accepts(name):
+    """A plugin's codec, say, not installed here: the chunk is someone else's (left in place), not damaged."""
+    data = _forged(lambda f, c, s, p: (f, name, s, p))
+    with pytest.raises(ForeignChunkError, match="unknown codec"):
+        parse_header(data, LAYOUT, KEY)
+    assert check_stored_chunk(data, KEY).codec == name.decode()
+    damaged = _forged(lambda f, c, s, p: (f, "identit\u00e9".encode(), s, p))
+    with pytest.raises(ChunkFormatError, match="unknown codec") as excinfo:
+        check_stored_chunk(damaged, KEY)
+    assert not isinstance(excinfo.value, ForeignChunkError)
 
 
 def _with(fixed: list, index: int, value) -> list:

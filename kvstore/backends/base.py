@@ -75,7 +75,11 @@ class Backend(Maintenance, ABC):
     Capabilities, read by the chunk tier and the layer streams:
 
     - ``is_local``: operations are blocking calls on this machine (files): the tier's layer reads
-      of such objects are batched into one thread call each, and never cancelled midway.
+      of such objects are batched into one thread call each, and never cancelled midway (so not
+      bounded by a timeout). A backend that sets it overrides the batch hooks to run each batch
+      in one thread call, as :class:`~kvstore.backends.disk.DiskBackend` does.
+    - ``capacity_bytes``: the byte budget the backend keeps itself within, or None when its size is
+      set elsewhere (retention, TTL); the cost model sizes the tier by it.
     - ``range_request_bytes``: bytes a range request should carry to amortize its round trip; layer
       streams coalesce consecutive layers up to this size (0: one layer per request).
     """
@@ -83,6 +87,7 @@ class Backend(Maintenance, ABC):
     name: ClassVar[str]
     is_local: ClassVar[bool] = False
     range_request_bytes: ClassVar[int] = 0
+    capacity_bytes: int | None = None
 
     async def open(self) -> None:
         """Connect, create directories, rebuild indexes."""

@@ -233,8 +233,10 @@ class RedisBackend(Backend):
 
         With a TTL, a full read (GETEX) and a range read from offset 0 (a layer-streamed load
         starts with the header) refresh it, so hot chunks stay. GETRANGE answers b"" both for a
-        missing key and for a range past the end of a value: an empty answer is settled by the
-        key's presence (the PEXPIRE's reply, or one EXISTS; a rare case, so not asked up front).
+        missing key and for a range past the end of a value, so an empty answer is settled by the
+        key's presence read in the same MULTI/EXEC (the PEXPIRE's reply, or an EXISTS asked again
+        with the range: empty answers are rare, hits stay one plain command). Atomic, so a chunk
+        written in between can never read as an empty object (which the tier would count corrupt).
         """
         name, ttl = self._name(key), self._ttl_ms
         if byte_range is None:
@@ -243,11 +245,17 @@ class RedisBackend(Backend):
             start, end = byte_range
             present: bool | None = None
             if ttl is not None and start == 0:
-                data, present = await self._pipe("GETRANGE", lambda p: p.getrange(name, 0, end - 1).pexpire(name, ttl))
+                data, present = await self._pipe(
+                    "GETRANGE", lambda p: p.getrange(name, 0, end - 1).pexpire(name, ttl), transaction=True
+                )
             else:
                 data = await self._call("GETRANGE", lambda c: c.getrange(name, start, end - 1))
+                if not data:  # absent, or past the end: read again, atomically with the key's presence
+                    data, present = await self._pipe(
+                        "GETRANGE", lambda p: p.getrange(name, start, end - 1).exists(name), transaction=True
+                    )
             if not data:
-                data = b"" if (await self.exists(key) if present is None else present) else None
+                data = b"" if present else None
         self.bytes_in += len(data or b"")
         return data
 

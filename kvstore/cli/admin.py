@@ -20,7 +20,7 @@ import typer
 from rich.table import Table
 
 from kvstore.backends import RemoveReport
-from kvstore.cli import inventory as admin
+from kvstore.cli import inventory
 from kvstore.cli.console import (
     EXIT_DAMAGED,
     EXIT_DECLINED,
@@ -53,15 +53,15 @@ def tier_names(tiers: list[str] | None) -> list[str] | None:
 
 async def list_all(
     config: StoreConfig, tiers: list[str] | None, namespaces: list[str] | None
-) -> tuple[dict[str, str], dict[str, list[admin.StoredObject]]]:
+) -> tuple[dict[str, str], dict[str, list[inventory.StoredObject]]]:
     """Every selected tier's objects, with a progress line per tier; also each tier's age basis."""
-    accept = admin.namespace_filter(namespaces or [])
+    accept = inventory.namespace_filter(namespaces or [])
     listed, basis = {}, {}
-    async with admin.tool_backends(config, tiers) as backends:
+    async with inventory.tool_backends(config, tiers) as backends:
         with progress_bar() as bar:
             for name, backend in backends.items():
                 task = bar.add_task(f"listing {name}", total=None)
-                listed[name] = await admin.list_objects(backend, accept, lambda n, t=task: bar.advance(t, n))
+                listed[name] = await inventory.list_objects(backend, accept, lambda n, t=task: bar.advance(t, n))
                 basis[name] = backend.age_basis
     return basis, listed
 
@@ -94,7 +94,7 @@ def ls(
             table.add_row(name, item.namespace, item.key, f"{item.size:,}", human_age(now - item.when))
         console.print(table)
         return
-    summaries = [row for name, items in listed.items() for row in admin.summarize(name, items, now)]
+    summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now)]
     if as_json:
         fields = ("tier", "namespace", "chunks", "bytes", "oldest", "newest")
         typer.echo(json.dumps([{f: getattr(row, f) for f in fields} for row in summaries], indent=1))
@@ -129,8 +129,8 @@ def stats(
     settings = load_config(config)
     basis, listed = run(lambda: list_all(settings, tier_names(tier), namespace))
     now = time.time()
-    summaries = [row for name, items in listed.items() for row in admin.summarize(name, items, now)]
-    labels = [label for _, label in admin.AGE_BUCKETS]
+    summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now)]
+    labels = [label for _, label in inventory.AGE_BUCKETS]
     if as_json:
         document = [
             {
@@ -189,7 +189,7 @@ def gc(
     or read since is kept), and a reader of a deleted chunk sees a miss. Running it again is harmless.
     """
     try:
-        retention = admin.Retention(
+        retention = inventory.Retention(
             None if max_age is None else parse_duration(max_age), None if max_bytes is None else parse_size(max_bytes)
         )
     except ValueError as exc:
@@ -202,11 +202,11 @@ def gc(
     raise typer.Exit(code)
 
 
-def check_lifecycle(retention: admin.Retention, names: list[str] | None, settings: StoreConfig) -> None:
+def check_lifecycle(retention: inventory.Retention, names: list[str] | None, settings: StoreConfig) -> None:
     """Refuse --install-lifecycle up front (usage error) unless --max-age is whole days and s3 is selected."""
     if retention.max_age is None or retention.max_age < 86400:
         raise typer.BadParameter("S3 lifecycle rules count whole days: give --max-age of 1d or more")
-    if "s3" not in (names or admin.enabled_tiers(settings)):
+    if "s3" not in (names or inventory.enabled_tiers(settings)):
         raise typer.BadParameter("--install-lifecycle needs the s3 tier (enable it in the configuration)")
 
 
@@ -214,17 +214,17 @@ async def collect(
     config: StoreConfig,
     tiers: list[str] | None,
     namespaces: list[str] | None,
-    retention: admin.Retention,
+    retention: inventory.Retention,
     dry_run: bool,
     yes: bool,
     install_lifecycle: bool,
 ) -> int:
     """List, plan and (unless a dry run or declined) delete; print the plan and the outcome; return the exit code."""
-    accept = admin.namespace_filter(namespaces or [])
-    async with admin.tool_backends(config, tiers) as backends:
+    accept = inventory.namespace_filter(namespaces or [])
+    async with inventory.tool_backends(config, tiers) as backends:
         with progress_bar() as bar:
             tasks = {name: bar.add_task(f"listing {name}", total=None) for name in backends}
-            plans = await admin.plan_gc(backends, accept, retention, on_page=lambda t, n: bar.advance(tasks[t], n))
+            plans = await inventory.plan_gc(backends, accept, retention, on_page=lambda t, n: bar.advance(tasks[t], n))
         doomed = sum(len(plan.victims) for plan in plans)
         doomed_bytes = sum(plan.victim_bytes for plan in plans)
         if dry_run or not doomed:
@@ -244,7 +244,7 @@ async def collect(
                 return EXIT_DECLINED
         with progress_bar() as bar:
             task = bar.add_task("deleting", total=doomed)
-            reports = await admin.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
+            reports = await inventory.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
         console.print(gc_table(plans, reports, dry_run=False))
         removed = sum(report.removed for report in reports.values())
         removed_bytes = sum(report.removed_bytes for report in reports.values())
@@ -257,7 +257,7 @@ async def collect(
     return EXIT_ERRORS if failures else EXIT_OK
 
 
-def gc_table(plans: list[admin.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
+def gc_table(plans: list[inventory.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
     """The plan per tier (what is listed, what goes, what is left) and, after a run, what happened."""
     title = "kvstore gc (dry run: nothing deleted)" if dry_run else "kvstore gc"
     columns = ["tier", "age is since", "listed", "listed bytes", "to delete", "bytes"]
@@ -276,7 +276,7 @@ def gc_table(plans: list[admin.TierPlan], reports: dict[str, RemoveReport] | Non
     return table
 
 
-async def lifecycle(backend: Any, retention: admin.Retention, namespaces: list[str] | None, dry_run: bool) -> None:
+async def lifecycle(backend: Any, retention: inventory.Retention, namespaces: list[str] | None, dry_run: bool) -> None:
     """One rule for the whole prefix, or for one namespace when exactly one plain name was given."""
     from kvstore.keys import namespace_dir
 
@@ -323,15 +323,15 @@ async def check_all(
     concurrency: int,
 ) -> int:
     """List and check every selected tier, remove the damaged objects when asked; print them; return the exit code."""
-    accept = admin.namespace_filter(namespaces or [])
+    accept = inventory.namespace_filter(namespaces or [])
     results = []
-    async with admin.tool_backends(config, tiers) as backends:
+    async with inventory.tool_backends(config, tiers) as backends:
         with progress_bar() as bar:
             for name, backend in backends.items():
                 listing = bar.add_task(f"listing {name}", total=None)
-                objects = await admin.list_objects(backend, accept, lambda n, t=listing: bar.advance(t, n))
+                objects = await inventory.list_objects(backend, accept, lambda n, t=listing: bar.advance(t, n))
                 task = bar.add_task(f"checking {name}", total=len(objects))
-                result = await admin.verify_tier(
+                result = await inventory.verify_tier(
                     name, backend, objects, concurrency=concurrency, on_checked=lambda n, t=task: bar.advance(t, n)
                 )
                 results.append(result)

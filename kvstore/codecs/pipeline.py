@@ -27,7 +27,8 @@ def _check_order(stages: Sequence[Codec]) -> None:
         if kind is StageKind.ARRAY_BYTES:
             if serializer is not None:
                 raise ValueError(
-                    f"codecs {serializer.name!r} and {stage.name!r} both turn values into bytes, and after "
+                    f"codec {stage.name!r} ({kind}) reads values, so it must come first, but codecs "
+                    f"{serializer.name!r} and {stage.name!r} both turn values into bytes, and after "
                     f"{serializer.name!r} there are no values left to read: {ORDER_RULE}"
                 )
             serializer = stage

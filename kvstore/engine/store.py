@@ -7,6 +7,10 @@
 - Every tier operation runs under its configured timeout. A slot handed to an operation stays
   referenced until that operation has really finished, even past a timeout, so its memory is
   never reused under a thread that is still reading or writing it.
+
+About 500 lines on purpose: put, lookup, get, the cascade and promotion share the slot
+reference rules above and read best side by side; what stands alone lives beside this module
+(bounded tier operations, measured costs, layer streams, the DRAM pool, metrics).
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class KVStore:
         if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
             self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
         # Before any I/O too: a trace path that fails stops the store here.
-        self._tracker = make_tracker(self.config.adaptive, self._trace_meta())
+        self._tracker = make_tracker(self.config.adaptive, self.layout, self.namespace, self.pool.capacity_bytes)
         if self.config.adaptive.auto:
             assert self._tracker is not None  # auto mode always tracks
             self._auto = AutoMode(self, self._tracker, self.config.adaptive, self.config.dram_bounds(), self.adaptive)
@@ -451,7 +455,11 @@ class KVStore:
         return self.pool.capacity_bytes
 
     async def resize_dram(self, capacity_bytes: int) -> int:
-        """Resize the DRAM pool in a worker thread (a grow allocates); the capacity it has afterwards."""
+        """Resize the DRAM pool in a worker thread (a grow allocates); the capacity it has afterwards.
+
+        Chunks beyond a smaller size are evicted; slots held by transfers are kept until released.
+        """
+        self._check_open()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.pool.resize, capacity_bytes)
         return self.pool.capacity_bytes
 
@@ -464,18 +472,6 @@ class KVStore:
         cost = measured_costs(self.layout, self.tiers, settings.prefill_tokens_per_s)
         advice = advise(profile, cost, self.pool.capacity_bytes, self.policy, bounds=bounds, knee=settings.knee)
         return advice, profile, cost
-
-    def _trace_meta(self) -> dict[str, Any]:
-        """What a trace file records about this store, for ``kvstore advise`` to size chunks by."""
-        layout = self.layout
-        return {
-            "chunk_tokens": layout.chunk_tokens,
-            "chunk_bytes": layout.chunk_nbytes,
-            "layout": layout.describe(),
-            "namespace": namespace_dir(self.namespace),
-            "dram_bytes": self.pool.capacity_bytes,
-            "started": time.time(),
-        }
 
     def advise(self, bounds: tuple[int, int] | None = None) -> Advice:
         """Hit rate against DRAM size for the traffic seen so far, the size and write policy to use, and why.

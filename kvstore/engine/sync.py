@@ -18,7 +18,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.store import KVStore
-from kvstore.errors import StoreClosedError
+from kvstore.errors import LayerTimeout, StoreClosedError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice
@@ -116,17 +116,23 @@ class SyncLayerStream:
         self._owner, self._stream = owner, stream
 
     def wait_layer(self, index: int, timeout: float | None = None) -> torch.Tensor:
-        """Layer ``index`` (blocking until it has arrived); raises PrefetchError if it cannot.
+        """Layer ``index`` (blocking until it has arrived, at most ``timeout`` seconds if given).
 
+        Raises :class:`PrefetchError` if it cannot be loaded, :class:`LayerTimeout` (a PrefetchError
+        and a TimeoutError) if it is late, :class:`StoreClosedError` if the store closed first.
         No round trip through the loop: the request is posted, the arrival is a threading.Event
         (a layer that is already in costs microseconds, not a thread hop).
         """
         stream = self._stream
         if not 0 <= index < stream.num_layers:
             raise IndexError(f"layer {index} out of range for {stream.num_layers} layers")
-        self._owner._loop.call_soon_threadsafe(stream.request, index)
+        try:
+            self._owner._loop.call_soon_threadsafe(stream.request, index)
+        except RuntimeError:  # the store's loop is closed: what has arrived is all there will be
+            if not stream.arrived[index].is_set():
+                raise StoreClosedError(f"the store closed before layer {index} of its stream arrived") from None
         if not stream.arrived[index].wait(timeout):
-            raise TimeoutError(f"layer {index} did not arrive within {timeout}s")
+            raise LayerTimeout(f"layer {index} did not arrive within {timeout}s")
         outcome = stream.outcomes[index]
         if isinstance(outcome, BaseException):
             raise outcome

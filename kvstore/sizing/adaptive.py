@@ -27,7 +27,8 @@ import numpy as np
 
 from kvstore.config import AdaptiveConfig
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey
+from kvstore.keys import ChunkKey, namespace_dir
+from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice, CostModel, Policy
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
 from kvstore.sizing.traces import TraceWriter, key_ids
@@ -169,11 +170,11 @@ class AdaptiveCounters:
         return dict(vars(self))
 
 
-def make_tracker(settings: AdaptiveConfig, trace_meta: dict[str, Any]) -> AccessTracker | None:
+def make_tracker(settings: AdaptiveConfig, layout: KVLayout, namespace: str, dram_bytes: int) -> AccessTracker | None:
     """A store's tracker, if anything needs one (advice, auto mode, a policy, a trace); else None.
 
-    ``trace_meta`` describes the store for a trace file's readers (layout, chunk size, namespace).
-    A trace path that cannot be created raises :class:`ConfigError` naming it.
+    A trace file records the store's layout, namespace and DRAM size, for ``kvstore advise`` to
+    size chunks by. A trace path that cannot be created raises :class:`ConfigError` naming it.
     """
     wanted = settings.track or settings.auto or settings.policy != "write-through" or settings.trace is not None
     if not wanted:
@@ -184,7 +185,14 @@ def make_tracker(settings: AdaptiveConfig, trace_meta: dict[str, Any]) -> Access
             max_watches=settings.max_watches,
             half_life=settings.half_life,
             trace_path=settings.trace,
-            trace_meta=trace_meta,
+            trace_meta={
+                "chunk_tokens": layout.chunk_tokens,
+                "chunk_bytes": layout.chunk_nbytes,
+                "layout": layout.describe(),
+                "namespace": namespace_dir(namespace),
+                "dram_bytes": dram_bytes,
+                "started": time.time(),
+            },
         )
     except OSError as exc:
         raise ConfigError(f"adaptive.trace: cannot create {settings.trace} ({exc}); fix the path") from None

@@ -193,14 +193,24 @@ def _checked_fields(view: memoryview) -> _Fields:
 
 
 def _codec_name(view: memoryview, fields: _Fields) -> str:
-    """The codec the header names, if this build knows it."""
+    """The codec pipeline the header names (ASCII, as every codec name is; else the header is damaged)."""
     start = _FIXED.size
     try:
-        name = bytes(view[start : start + fields.codec_len]).decode("ascii")
-        _codec_named(name)
-    except (UnicodeDecodeError, ValueError) as exc:
+        return bytes(view[start : start + fields.codec_len]).decode("ascii")
+    except UnicodeDecodeError as exc:
         raise ChunkFormatError(f"unknown codec in header: {exc}") from None
-    return name
+
+
+def _codec_for(name: str) -> CodecPipeline:
+    """The pipeline a header names; one this process cannot build makes the chunk foreign, not damaged.
+
+    Codecs can come from plugins (the ``kvstore.codecs`` entry points): an engine that lacks one
+    must leave the chunks of engines that have it in place, not delete them as corrupt.
+    """
+    try:
+        return _codec_named(name)
+    except ValueError as exc:
+        raise ForeignChunkError(f"unknown codec in header ({exc}); this process cannot decode it") from None
 
 
 def _segment_table(view: memoryview, fields: _Fields, raw_len: int | None) -> tuple[Segment, ...]:
@@ -230,7 +240,7 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCip
         raise ChunkFormatError("chunk holds another key")
     if fields.num_layers != layout.num_layers or fields.token_count != layout.chunk_tokens:
         raise ChunkFormatError("chunk shape does not match the layout")
-    codec = _codec_named(_codec_name(view, fields))
+    codec = _codec_for(_codec_name(view, fields))
     if fields.encrypted and cipher is None:
         raise ForeignChunkError("chunk is encrypted and this store has no encryption key")
     if cipher is not None and not fields.encrypted:
@@ -323,7 +333,8 @@ def check_stored_chunk(data: Buffer, key: ChunkKey) -> StoredChunk:
 
     The header checksum, the key it names, the segment table, the object's length and each
     segment's checksum: everything the reading tier checks, short of decoding (an encrypted
-    chunk's checksums cover its sealed bytes, so no key is needed). Raises ChunkFormatError.
+    chunk's checksums cover its sealed bytes, so no key is needed; a codec this process does not
+    have, a plugin's, is not damage either). Raises ChunkFormatError.
     """
     view = as_bytes_view(data)
     fields = _checked_fields(view)

@@ -7,7 +7,7 @@ better with these. No pytest here: the module imports anywhere.
 from __future__ import annotations
 
 from kvstore.backends.base import Backend
-from kvstore.keys import ChunkKey
+from kvstore.keys import DEFAULT_NAMESPACE, ChunkKey
 from kvstore.storage.tier import ChunkTier
 
 
@@ -35,7 +35,7 @@ async def read_layer(tier: ChunkTier, key: ChunkKey, layer: int, out: memoryview
         reader.close()
 
 
-async def listed_keys(backend: Backend, prefix: str = "", namespace: str = "default") -> list[str]:
+async def listed_keys(backend: Backend, prefix: str = "", namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     """The keys ``backend``'s listing (the operator's ``scan``) shows in ``namespace``, starting with ``prefix``."""
     return [
         item.key

@@ -39,7 +39,7 @@ from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer,
 from kvstore.connectors.vllm._common import read_options, shared_stores
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncLayerStream
-from kvstore.errors import ConfigError, KVStoreError, PrefetchError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 
@@ -412,7 +412,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
                 layer.scatter(load.block_ids, kv[:, rows])
                 load.layers_done += 1
-            except (PrefetchError, TimeoutError) as exc:  # a layer that cannot come, or is late: recomputed
+            except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
                 self._fail(load, f"layer {index}: {exc}")
         self._finish_loads(complete_only=True)
 
