@@ -81,11 +81,20 @@ def chunk_keys(
 
 def key_to_bytes(key: ChunkKey) -> bytes:
     """Validate a key and return its 32 raw bytes (as stored in chunk headers)."""
-    problem = f"a chunk key is {2 * KEY_BYTES} lowercase hex characters (see chunk_keys), got {key!r}"
     # bytes.fromhex alone would skip whitespace ("00 11..." gives fewer than 32 bytes).
     if not isinstance(key, str) or len(key) != 2 * KEY_BYTES or not set(key) <= _HEX_DIGITS:
+        problem = f"a chunk key is {2 * KEY_BYTES} lowercase hex characters (see chunk_keys), got {_shown(key)}"
         raise ValueError(problem)
     return bytes.fromhex(key)
+
+
+def _shown(value: object, limit: int = 64) -> str:
+    """``value``'s repr, cut to about ``limit`` characters with its length: a 1 MB key makes a short message."""
+    text = repr(value)
+    if len(text) <= limit + 16:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"repr of {len(text)} characters"
+    return f"{text[:limit]}... ({size})"
 
 
 _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

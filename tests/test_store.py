@@ -396,17 +396,37 @@ async def test_get_many_serves_dram_and_disk_in_one_call(tmp_path: Path) -> None
             await store.get_many(keys[:2], outs[:1])
 
 
-async def test_get_many_with_a_pool_too_small_for_the_batch_misses_the_rest(tmp_path: Path) -> None:
-    keys = chunk_keys(tokens(4), LAYOUT, "test")
+@pytest.mark.parametrize("with_outs", [True, False], ids=["outs", "new-tensors"])
+async def test_get_many_loads_as_many_chunks_as_lookup_finds_with_a_small_pool(tmp_path: Path, with_outs: bool) -> None:
+    """Issue 15 item 7: 4 DRAM slots, 6 chunks on disk; lookup says 6, so get_many returns 6 (staged in rounds)."""
+    keys = chunk_keys(tokens(6), LAYOUT, "test")
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        for i, key in enumerate(keys):
+            await store.put(key, make_chunk(i))
+    async with KVStore(config(tmp_path, slots=4), LAYOUT, namespace="test") as store:
+        assert await store.lookup(keys) == 6
+        outs = [torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype) for _ in keys] if with_outs else None
+        results = await store.get_many(keys, outs)
+        assert all(r is not None and torch.equal(r, make_chunk(i)) for i, r in enumerate(results))
+        if outs is not None:
+            assert all(r is out for r, out in zip(results, outs, strict=True))
+        assert store.stats()["dram"]["referenced"] == 0
+        assert store.stats()["disk"]["hits"] == 6  # each chunk read once
+
+
+async def test_get_many_never_waits_for_memory(tmp_path: Path) -> None:
+    """Every slot held by someone else (in-flight transfers): the tiers' chunks are misses at once."""
+    keys = chunk_keys(tokens(3), LAYOUT, "test")
     async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
         for i, key in enumerate(keys):
             await store.put(key, make_chunk(i))
     async with KVStore(config(tmp_path, slots=2), LAYOUT, namespace="test") as store:
-        results = await store.get_many(keys)
-        assert [r is not None for r in results] == [True, True, False, False]  # never waits for memory
-        assert store.stats()["dram"]["referenced"] == 0
-        later = await store.get_many(keys[2:])  # the slots are free again once the caller is served
-        assert all(r is not None and torch.equal(r, make_chunk(i + 2)) for i, r in enumerate(later))
+        held = [store.pool.reserve() for _ in range(2)]
+        assert await store.get_many(keys) == [None, None, None]
+        for slot in held:
+            store.pool.release(slot)
+        later = await store.get_many(keys)  # the slots are free again
+        assert all(r is not None and torch.equal(r, make_chunk(i)) for i, r in enumerate(later))
 
 
 async def test_a_store_is_usable_only_between_open_and_close(tmp_path: Path) -> None:

@@ -28,12 +28,21 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from kvstore.backends.base import Backend, ByteRange, ObjectRead, ObjectWrite, Outcomes, byte_length, each_caught
+from kvstore.backends.base import (
+    Backend,
+    ByteRange,
+    ObjectFile,
+    ObjectRead,
+    ObjectWrite,
+    Outcomes,
+    byte_length,
+    each_caught,
+)
 from kvstore.backends.files import FileReader, unlink_quietly, walk_files, write_fully
 from kvstore.backends.maintenance import LIST_PAGE, RemoveReport, StoredObject, pages
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
-from kvstore.util.threads import in_thread
+from kvstore.util.threads import in_thread, in_thread_or_discard
 
 log = logging.getLogger("kvstore.disk")
 T = TypeVar("T")
@@ -298,11 +307,24 @@ class DiskBackend(Backend):
         return await in_thread(executor, each_caught, partial(self._on_file, keep_open=False), reads)
 
     async def open_many(self, reads: Sequence[ObjectRead[T]], executor: Executor | None) -> Outcomes[T]:
-        """The whole batch in one thread call: each file opened and handed, still open, to ``from_file``."""
-        return await in_thread(executor, each_caught, partial(self._on_file, keep_open=True), reads)
+        """The whole batch in one thread call: each file opened and handed, still open, to ``from_file``.
 
-    def _on_file(self, read: ObjectRead[T], keep_open: bool) -> T | None:
-        """``read.from_file`` on the object's file, None if absent; the file is closed after, or on failure."""
+        If the caller is cancelled meanwhile, the files the thread opened are closed when it ends.
+        """
+        opened: list[ObjectFile] = []
+
+        def close_opened(_: object) -> None:
+            for file in opened:
+                file.close()
+
+        on_file = partial(self._on_file, keep_open=True, opened=opened)
+        return await in_thread_or_discard(executor, close_opened, partial(each_caught, on_file, reads))
+
+    def _on_file(self, read: ObjectRead[T], keep_open: bool, opened: list[ObjectFile] | None = None) -> T | None:
+        """``read.from_file`` on the object's file, None if absent; the file is closed after, or on failure.
+
+        A file kept open is noted in ``opened`` (for the caller to close if the result is never used).
+        """
         file = self.open_reader(read.key)
         if file is None:
             return None
@@ -313,6 +335,8 @@ class DiskBackend(Backend):
             raise
         if not keep_open:
             file.close()
+        elif opened is not None:
+            opened.append(file)
         return result
 
     # -- for the operator's tools: every namespace ----------------------------------------------

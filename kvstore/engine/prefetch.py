@@ -9,6 +9,10 @@ positioned file read, or one byte-range request). Every segment is verified befo
 If a layer cannot be loaded (a chunk vanished, a segment is corrupt, a tier timed out) the
 stream raises :class:`PrefetchError` for that layer and every later one: the engine keeps the
 layers it already has or, simpler, recomputes the prefix. Nothing unverified reaches it.
+
+Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
+on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
+which left a producer waiting forever for a consumer that was gone).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class StreamSources:
     executor: Executor  # for blocking file reads
     read_timeout: float  # seconds a remote tier may take per request (timeouts.get)
     opened: Callable[[Sequence[ChunkKey], Sequence[int | None]], None]
+    close_timeout: float = 10.0  # seconds close() waits for the producer to stop (timeouts.close)
 
 
 class LayerStream:
@@ -79,6 +84,7 @@ class LayerStream:
         self.outcomes: list[torch.Tensor | BaseException | None] = [None] * layout.num_layers
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
+        self._closing = False
         self._slots: list[int | None] = []
         self._readers: list[LayerReader | None] = []
         self._task = asyncio.create_task(self._produce(), name="kvstore-prefetch")
@@ -109,9 +115,18 @@ class LayerStream:
             await self.close()
 
     async def close(self) -> None:
-        """Stop fetching and release what the stream holds (idempotent)."""
+        """Stop fetching and release what the stream holds (idempotent); waits at most ``timeouts.close``.
+
+        Every layer not yet arrived fails with PrefetchError (an engine thread waiting on one wakes).
+        A producer that does not stop in time (a tier call that ignores cancellation) is left to
+        finish on its own and logged: it still releases its slots and files when it ends.
+        """
+        self._closing = True
+        self._wanted.set()  # a producer waiting for the consumer wakes and sees the stream closing
         self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        done, _ = await asyncio.wait({self._task}, timeout=self._sources.close_timeout)
+        if not done:  # (the producer raises nothing but its cancellation: nothing to retrieve)
+            log.warning("a layer stream did not stop within %.1fs; leaving it to end", self._sources.close_timeout)
         closed = PrefetchError("the layer stream was closed")
         for index, future in enumerate(self._ready):
             self._arrive(index, closed)  # wakes any engine thread still waiting on this layer
@@ -132,6 +147,8 @@ class LayerStream:
             await self._open_sources()
             for layer in range(self.num_layers):
                 while layer >= self._requested + self._depth:
+                    if self._closing:
+                        raise asyncio.CancelledError
                     self._wanted.clear()
                     await self._wanted.wait()
                 self._arrive(layer, await self._fetch(layer))
@@ -171,7 +188,8 @@ class LayerStream:
             # descriptors); a remote tier's header reads are bounded by its timeout.
             timeout = None if tier.is_local else sources.read_timeout
             try:
-                opened = await asyncio.wait_for(tier.open_layers_many([self._keys[i] for i in missing]), timeout)
+                async with asyncio.timeout(timeout):
+                    opened = await tier.open_layers_many([self._keys[i] for i in missing])
             except TimeoutError:
                 tier.stats.timeouts += 1
                 continue
@@ -220,8 +238,8 @@ class LayerStream:
         try:
             # Later layers ride along in the same request, as far as the stream may run ahead.
             ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
-            read = reader.read_counted(layer, tensor_bytes(contiguous), ahead)
-            ok = await asyncio.wait_for(read, self._sources.read_timeout)
+            async with asyncio.timeout(self._sources.read_timeout):
+                ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
         except TimeoutError:
             reader.tier.stats.timeouts += 1
             raise PrefetchError(f"layer {layer} of {where} timed out") from None

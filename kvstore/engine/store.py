@@ -4,13 +4,14 @@
   through its own bounded queue (a full queue drops that tier's write and counts it).
 - ``get`` serves DRAM, else reads the first tier that has the chunk straight into a fresh
   slot (promotion) and queues it for the faster tiers it skipped.
-- Every tier operation runs under its configured timeout. A slot handed to an operation stays
-  referenced until that operation has really finished, even past a timeout, so its memory is
-  never reused under a thread that is still reading or writing it.
+- Every tier operation runs under its configured timeout; ``lookup`` and ``get_many`` wait at
+  most one ``timeouts.get`` per call, whatever the number of chunks (engine/loads.py). A slot
+  handed to an operation stays referenced until that operation has really finished, even past a
+  timeout, so its memory is never reused under a thread that is still reading or writing it.
 
-About 500 lines on purpose: put, lookup, get, the cascade and promotion share the slot
-reference rules above and read best side by side; what stands alone lives beside this module
-(bounded tier operations, measured costs, layer streams, the DRAM pool, metrics).
+About 500 lines on purpose: put, lookup, get and the write cascade share the slot reference
+rules above and read best side by side; what stands alone lives beside this module (reads from
+the tiers, bounded tier operations, measured costs, layer streams, the DRAM pool, metrics).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +33,7 @@ from kvstore.config import StoreConfig
 from kvstore.engine import metrics
 from kvstore.engine.costs import measured_costs
 from kvstore.engine.dram import SlabPool
+from kvstore.engine.loads import Deadline, TierLoader, releaser
 from kvstore.engine.operations import TierOperations
 from kvstore.engine.prefetch import LayerStream, StreamSources
 from kvstore.engine.stats import StoreLatency
@@ -85,12 +88,13 @@ class KVStore:
             "streamed_from_dram": 0,
         }
         self._stream_sources = StreamSources(
-            layout, self.pool, self.tiers, self._executor, config.timeouts.get, self._stream_opened
+            layout, self.pool, self.tiers, self._executor, config.timeouts.get, self._stream_opened, config.timeouts.close
         )
+        self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
         self._workers: list[asyncio.Task[None]] = []
         self._operations = TierOperations()  # each bounded by its timeout, tracked until it really ends
-        self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
+        self._loader = TierLoader(self.pool, self.tiers, self._operations, self._enqueue)
         self.latency = StoreLatency()  # per lookup/get call; each tier keeps its own (tier.latency)
         self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
         self._state = "new"
@@ -150,9 +154,11 @@ class KVStore:
             return
         was_open = self._state == "open"
         self._state = "closing"
+        await asyncio.gather(*(stream.close() for stream in list(self._streams)))  # each bounded by timeouts.close
         if was_open:
             try:
-                await asyncio.wait_for(self.flush(), self.config.timeouts.close)
+                async with asyncio.timeout(self.config.timeouts.close):
+                    await self.flush()
             except TimeoutError:
                 log.warning(
                     "close: pending writes did not finish in %.1fs; abandoning them", self.config.timeouts.close
@@ -170,7 +176,8 @@ class KVStore:
         self._operations.cancel_all()  # slots are released by their own callbacks when threads end
         for tier in self.tiers:
             try:
-                await asyncio.wait_for(tier.close(), self.config.timeouts.close)
+                async with asyncio.timeout(self.config.timeouts.close):
+                    await tier.close()
             except Exception as exc:
                 log.warning("close: %s tier did not close cleanly: %r", tier.name, exc)
         if self._tracker is not None:
@@ -216,7 +223,8 @@ class KVStore:
             self._counters["put_rejected"] += 1
             return False
         try:
-            self.pool.tensor(slot).copy_(kv)
+            with torch.no_grad():  # a tensor that requires grad must leave no autograd history in the slot
+                self.pool.tensor(slot).copy_(kv)
             if not self.pool.publish(slot, key):  # another put of the same key won the race
                 self._counters["put_duplicate"] += 1
                 return True
@@ -247,7 +255,7 @@ class KVStore:
                 batch.append(queue.get_nowait())
             try:
                 write = tier.write_many([(key, self.pool.buffer(slot)) for key, slot in batch])
-                end_of_write = self._releaser([slot for _, slot in batch])
+                end_of_write = releaser(self.pool, [slot for _, slot in batch])
                 timeout = self.config.timeouts.put * len(batch)
                 outcomes = await self._operations.bounded(
                     write, timeout, tier.name, tier.stats, tier.latency.write, end_of_write
@@ -264,7 +272,11 @@ class KVStore:
     # -- lookup and get ------------------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading ``keys`` some tier holds: the prefix that can be loaded, not recomputed."""
+        """How many leading ``keys`` some tier holds: the prefix that can be loaded, not recomputed.
+
+        Each secondary tier is asked at most once (one query for every key DRAM lacks), and the
+        call waits at most ``timeouts.get`` in all: a tier that has not answered by then holds nothing.
+        """
         self._check_open()
         start = time.perf_counter()
         keys = list(keys)
@@ -274,26 +286,8 @@ class KVStore:
             self._tracker.note(keys)
             if self._auto is not None:
                 self._auto.maybe_decide()
-        count = 0
-        while count < len(keys):
-            if self.pool.contains(keys[count]):
-                count += 1
-                continue
-            reached = count
-            for tier in self.tiers:
-                try:
-                    prefix = tier.prefix_count(keys[count:])
-                    found = await self._operations.bounded(
-                        prefix, self.config.timeouts.get, tier.name, tier.stats, tier.latency.lookup
-                    )
-                except TierTimeout:
-                    continue
-                if found > 0:
-                    reached = count + found
-                    break
-            if reached == count:
-                break
-            count = reached
+        in_dram = [self.pool.contains(key) for key in keys]
+        count = await self._loader.held_prefix(keys, in_dram, Deadline(self.config.timeouts.get))
         self.latency.lookup.observe(time.perf_counter() - start)
         return count
 
@@ -311,6 +305,9 @@ class KVStore:
 
         DRAM hits are copied at once; the misses are read from each lower tier as one batch and
         promoted into DRAM. Each result is ``outs[i]`` (or a new tensor), or None on a miss.
+        The reads wait at most ``timeouts.get`` in all (one deadline for the call, whatever the
+        number of chunks or tiers) and stage through the DRAM slots free, in rounds: a pool with
+        fewer free slots than ``keys`` still loads every chunk the tiers hold, with or without ``outs``.
         """
         self._check_open()
         start = time.perf_counter()
@@ -322,115 +319,32 @@ class KVStore:
             for out in outs:
                 self._check_chunk(out, "out")
         self._counters["gets"] += len(keys)
-        slots: list[int | None] = [self.pool.acquire(key) for key in keys]
+        results: list[torch.Tensor | None] = [None] * len(keys)
+
+        def deliver(i: int, slot: int) -> None:  # the slot is referenced during the call
+            source = self.pool.tensor(slot)
+            with torch.no_grad():
+                results[i] = outs[i].copy_(source) if outs is not None else source.clone()
+
+        slots = [self.pool.acquire(key) for key in keys]
         try:
             self._release_held_back(keys, slots)
-            missing = [i for i, slot in enumerate(slots) if slot is None]
-            if missing and self.tiers:
-                promoted = await self._promote([keys[i] for i in missing])
-                for i, slot in zip(missing, promoted, strict=True):
-                    slots[i] = slot
-            results: list[torch.Tensor | None] = []
             for i, slot in enumerate(slots):
-                if slot is None:
-                    results.append(None)
-                    continue
-                source = self.pool.tensor(slot)
-                results.append(outs[i].copy_(source) if outs is not None else source.clone())
+                if slot is not None:
+                    deliver(i, slot)
         finally:
             for slot in slots:
                 if slot is not None:
                     self.pool.release(slot)
+        missing = [i for i, slot in enumerate(slots) if slot is None]
+        if missing and self.tiers:
+            deadline = Deadline(self.config.timeouts.get)  # one for the whole call, every tier and round
+            await self._loader.load([keys[i] for i in missing], lambda j, slot: deliver(missing[j], slot), deadline)
         hits = sum(result is not None for result in results)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
         self.latency.get.observe(time.perf_counter() - start)
         return results
-
-    async def _promote(self, keys: list[ChunkKey]) -> list[int | None]:
-        """Load ``keys`` from the first tier that has each into DRAM; their slots (referenced) or None.
-
-        A key another call is already loading is waited for, not read twice.
-        """
-        loop = asyncio.get_running_loop()
-        waiting: dict[int, asyncio.Future[None]] = {}
-        own: list[int] = []
-        for i, key in enumerate(keys):
-            if key in self._loading:
-                waiting[i] = self._loading[key]
-            else:
-                self._loading[key] = loop.create_future()
-                own.append(i)
-        slots: list[int | None] = [None] * len(keys)
-        try:
-            try:
-                loaded = await self._load_from_tiers([keys[i] for i in own])
-            finally:
-                for i in own:
-                    self._loading.pop(keys[i]).set_result(None)
-            for i, slot in zip(own, loaded, strict=True):
-                slots[i] = slot
-            for i, loading in waiting.items():
-                await asyncio.shield(loading)
-                slots[i] = self.pool.acquire(keys[i])
-        except BaseException:
-            for slot in slots:
-                if slot is not None:
-                    self.pool.release(slot)
-            raise
-        return slots
-
-    async def _load_from_tiers(self, keys: list[ChunkKey]) -> list[int | None]:
-        """Each tier in turn reads, as one batch, the keys no faster tier had."""
-        result: list[int | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        for position, tier in enumerate(self.tiers):
-            if not pending:
-                break
-            reserved: list[tuple[int, int]] = []
-            for i in pending:
-                slot = self.pool.reserve()
-                if slot is None:
-                    log.debug("promotion of %d chunks skipped: every DRAM slot is in use", len(pending) - len(reserved))
-                    break
-                self.pool.retain(slot)  # the read's own reference: released only when the read ends
-                reserved.append((i, slot))
-            if not reserved:
-                break
-            pending = []
-            try:
-                read = tier.read_many_into([keys[i] for i, _ in reserved], [self.pool.buffer(s) for _, s in reserved])
-                end_of_read = self._releaser([slot for _, slot in reserved])
-                timeout = self.config.timeouts.get * len(reserved)
-                found = await self._operations.bounded(
-                    read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read
-                )
-            except TierTimeout:
-                found = [False] * len(reserved)
-            except BaseException:
-                for _, slot in reserved:
-                    self.pool.release(slot)
-                raise
-            for (i, slot), ok in zip(reserved, found, strict=True):
-                if ok and self.pool.publish(slot, keys[i]):
-                    self._enqueue(self.tiers[:position], keys[i], slot)
-                    result[i] = slot  # keeps the reservation's reference for the caller
-                    continue
-                self.pool.release(slot)
-                if ok:  # a put of the same key landed meanwhile
-                    result[i] = self.pool.acquire(keys[i])
-                else:
-                    pending.append(i)
-        return result
-
-    def _releaser(self, slots: list[int]) -> Callable[[], None]:
-        """A callback that drops one reference to each of ``slots`` (when an operation ends)."""
-
-        def release() -> None:
-            for slot in slots:
-                self.pool.release(slot)
-
-        return release
 
     def _release_held_back(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
         """DRAM hits on chunks the second-sighting policy kept from the lower tiers: a second sighting, so send them."""
@@ -493,7 +407,9 @@ class KVStore:
         self._check_open()
         for key in keys:
             key_to_bytes(key)
-        return LayerStream(self._stream_sources, keys, depth, outs)
+        stream = LayerStream(self._stream_sources, keys, depth, outs)
+        self._streams.add(stream)  # store.close() closes the streams still open
+        return stream
 
     async def flush(self) -> None:
         """Wait until every queued write has reached its tier (or failed, or timed out)."""
@@ -512,6 +428,8 @@ class KVStore:
         return {"store": dict(self._counters), "dram": self.pool.stats(), "adaptive": adaptive, **tiers}
 
     def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.device.type == "meta":  # shapes only, no memory: nothing could be copied in or out
+            raise ValueError(f"{what} is on the 'meta' device (no storage); pass a CPU or GPU tensor")
         if tuple(tensor.shape) != self.layout.chunk_shape or tensor.dtype != self.layout.dtype:
             raise ValueError(
                 f"{what} must be a {self.layout.dtype} tensor of shape {self.layout.chunk_shape} "

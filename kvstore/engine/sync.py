@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice
 
 T = TypeVar("T")
+log = logging.getLogger("kvstore")
 
 
 class SyncKVStore:
@@ -144,7 +146,17 @@ class SyncLayerStream:
             yield index, self.wait_layer(index)
 
     def close(self) -> None:
-        self._owner._call(self._stream.close())
+        """Stop the stream and release what it holds; bounded by ``timeouts.close`` (plus a margin).
+
+        A no-op once the store is closed (closing the store closed its streams).
+        """
+        try:
+            limit = self._owner.store.config.timeouts.close + 5  # the stream bounds itself; the margin is the hop's
+            self._owner._call(self._stream.close(), timeout=limit)
+        except StoreClosedError:
+            return
+        except TimeoutError:
+            log.warning("a layer stream did not close within %.1fs; leaving it to end", limit)
 
     def __enter__(self) -> SyncLayerStream:
         return self

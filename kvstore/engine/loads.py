@@ -1,0 +1,194 @@
+"""Reads from the secondary tiers for ``lookup`` and ``get_many``: one deadline per call, bounded DRAM use.
+
+An engine asks for a prefix of chunks and must get an answer within ``timeouts.get``, however
+many chunks the prefix has and however many tiers the call visits: a frozen archive under a
+32-chunk prefix must cost one timeout, not 32. So each call gets one :class:`Deadline`, and
+every tier operation it starts waits only for what is left of it.
+
+Loading needs DRAM slots to read into (the read's memory must stay valid until the read really
+ends, even past a timeout, see :mod:`kvstore.engine.operations`). A call does not need a slot
+per chunk: it stages through the slots it can reserve, hands each chunk found to its caller
+(who copies it out), and goes again with the rest, while its deadline lasts. A pool of 4 slots
+loads a 6-chunk prefix in two rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from kvstore.engine.dram import SlabPool
+from kvstore.engine.operations import TierOperations
+from kvstore.errors import TierTimeout
+from kvstore.keys import ChunkKey
+from kvstore.storage.tier import ChunkTier
+
+log = logging.getLogger("kvstore")
+Deliver = Callable[[int, int], None]  # (index of the key in the call, its slot: valid during the call only)
+Enqueue = Callable[[Sequence[ChunkTier], ChunkKey, int], None]
+
+
+class Deadline:
+    """The moment a call must have its answer by (on the running loop's clock)."""
+
+    def __init__(self, seconds: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._end = self._loop.time() + seconds
+
+    def remaining(self) -> float:
+        """Seconds left (0 once passed)."""
+        return max(0.0, self._end - self._loop.time())
+
+
+def releaser(pool: SlabPool, slots: list[int]) -> Callable[[], None]:
+    """A callback that drops one reference to each of ``slots`` (when an operation ends)."""
+
+    def release() -> None:
+        for slot in slots:
+            pool.release(slot)
+
+    return release
+
+
+class TierLoader:
+    """The store's reads from its secondary tiers (the loop's only, like the store).
+
+    ``enqueue`` hands a promoted chunk's slot to the faster tiers that lacked it (the store's
+    write queues).
+    """
+
+    def __init__(
+        self, pool: SlabPool, tiers: Sequence[ChunkTier], operations: TierOperations, enqueue: Enqueue
+    ) -> None:
+        self.pool, self.tiers, self._operations, self._enqueue = pool, tiers, operations, enqueue
+        self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
+
+    async def held_prefix(self, keys: Sequence[ChunkKey], in_dram: Sequence[bool], deadline: Deadline) -> int:
+        """How many leading ``keys`` are in DRAM or in some tier.
+
+        Each tier is asked once, in one query covering every key not in DRAM (all the gaps at
+        once), about the keys no faster tier was found to hold; all within ``deadline``. A tier
+        that fails or times out holds nothing for this call.
+        """
+        gaps = [i for i, here in enumerate(in_dram) if not here]
+        found = 0  # leading gaps some tier holds
+        for tier in self.tiers:
+            remaining = deadline.remaining()
+            if found == len(gaps) or remaining <= 0:
+                break
+            asked = [keys[i] for i in gaps[found:]]
+            try:
+                found += await self._operations.bounded(
+                    tier.prefix_count(asked), remaining, tier.name, tier.stats, tier.latency.lookup
+                )
+            except TierTimeout:
+                continue
+        return gaps[found] if found < len(gaps) else len(keys)
+
+    async def load(self, keys: Sequence[ChunkKey], deliver: Deliver, deadline: Deadline) -> None:
+        """``deliver(i, slot)`` for each of ``keys`` some tier has, read within ``deadline``; the rest are misses.
+
+        A key another call is already loading is waited for (within the deadline), not read twice.
+        ``deliver`` runs while the slot is referenced; the slot is released after it returns.
+        """
+        waiting: dict[int, asyncio.Future[None]] = {}
+        own: list[int] = []
+        for i, key in enumerate(keys):
+            if key in self._loading:
+                waiting[i] = self._loading[key]
+            else:
+                self._loading[key] = asyncio.get_running_loop().create_future()
+                own.append(i)
+        try:
+            await self._load_own([keys[i] for i in own], lambda j, slot: deliver(own[j], slot), deadline)
+        finally:
+            for i in own:
+                self._loading.pop(keys[i]).set_result(None)
+        for i, loading in waiting.items():
+            if not loading.done():
+                await asyncio.wait({loading}, timeout=deadline.remaining())  # never cancels the other call's
+            if loading.done():
+                self._deliver_cached(i, keys[i], deliver)
+
+    async def _load_own(self, keys: list[ChunkKey], deliver: Deliver, deadline: Deadline) -> None:
+        """Rounds of the cascade (each tier in turn reads, as one batch, what no faster tier had) over the slots free."""
+        next_tier = dict.fromkeys(range(len(keys)), 0)  # per key still sought: the tier to ask next
+        while next_tier:
+            progressed = False
+            for position, tier in enumerate(self.tiers):
+                group = [i for i, at in next_tier.items() if at == position]
+                remaining = deadline.remaining()
+                if remaining <= 0:
+                    return  # what is left is a miss: the call's time is up
+                reserved = self._reserve(group)
+                if not reserved:
+                    continue  # no slot now; a later round may find one freed
+                progressed = True
+                for i, ok in await self._read(tier, keys, reserved, remaining):
+                    if not ok:
+                        self.pool.release(reserved[i])  # (the read's own reference goes when it ends)
+                    elif self._take(position, keys[i], reserved[i], deliver, i):
+                        del next_tier[i]
+                        continue
+                    if position + 1 < len(self.tiers):
+                        next_tier[i] = position + 1
+                    else:
+                        del next_tier[i]  # in no tier
+            if not progressed:
+                log.debug("%d chunks not loaded: every DRAM slot is in use", len(next_tier))
+                return
+
+    def _reserve(self, group: list[int]) -> dict[int, int]:
+        """A slot for as many of ``group`` as can have one, each with a second reference for the read itself."""
+        reserved: dict[int, int] = {}
+        for i in group:
+            slot = self.pool.reserve()
+            if slot is None:
+                break
+            self.pool.retain(slot)  # the read's own reference: released only when the read ends
+            reserved[i] = slot
+        return reserved
+
+    async def _read(
+        self, tier: ChunkTier, keys: list[ChunkKey], reserved: dict[int, int], timeout: float
+    ) -> list[tuple[int, bool]]:
+        """One batch read of ``tier`` into the reserved slots; per key, whether it was read (a timeout: none)."""
+        order = list(reserved)
+        try:
+            read = tier.read_many_into([keys[i] for i in order], [self.pool.buffer(reserved[i]) for i in order])
+            end_of_read = releaser(self.pool, [reserved[i] for i in order])
+            found = await self._operations.bounded(read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read)
+        except TierTimeout:
+            found = [False] * len(order)
+        except BaseException:
+            for slot in reserved.values():
+                self.pool.release(slot)
+            raise
+        return list(zip(order, found, strict=True))
+
+    def _take(self, position: int, key: ChunkKey, slot: int, deliver: Deliver, i: int) -> bool:
+        """A chunk read into ``slot``: published (and queued for the faster tiers), delivered; the slot released.
+
+        False only if the read's slot was not published and no copy of the key is in DRAM either.
+        """
+        if self.pool.publish(slot, key):
+            self._enqueue(self.tiers[:position], key, slot)
+            try:
+                deliver(i, slot)
+            finally:
+                self.pool.release(slot)
+            return True
+        self.pool.release(slot)  # a put of the same key landed meanwhile: serve that one
+        return self._deliver_cached(i, key, deliver)
+
+    def _deliver_cached(self, i: int, key: ChunkKey, deliver: Deliver) -> bool:
+        """Deliver the key's DRAM copy if there is one."""
+        slot = self.pool.acquire(key)
+        if slot is None:
+            return False
+        try:
+            deliver(i, slot)
+        finally:
+            self.pool.release(slot)
+        return True
