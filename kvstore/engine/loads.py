@@ -112,7 +112,7 @@ class TierLoader:
                 self._deliver_cached(i, keys[i], deliver)
 
     async def _load_own(self, keys: list[ChunkKey], deliver: Deliver, deadline: Deadline) -> None:
-        """Rounds of the cascade (each tier in turn reads, as one batch, what no faster tier had) over the slots free."""
+        """Rounds of the cascade (each tier reads, as one batch, what no faster tier had) over the free slots."""
         next_tier = dict.fromkeys(range(len(keys)), 0)  # per key still sought: the tier to ask next
         while next_tier:
             progressed = False

@@ -88,7 +88,13 @@ class KVStore:
             "streamed_from_dram": 0,
         }
         self._stream_sources = StreamSources(
-            layout, self.pool, self.tiers, self._executor, config.timeouts.get, self._stream_opened, config.timeouts.close
+            layout,
+            self.pool,
+            self.tiers,
+            self._executor,
+            config.timeouts.get,
+            self._stream_opened,
+            config.timeouts.close,
         )
         self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []

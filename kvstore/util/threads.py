@@ -28,7 +28,9 @@ async def in_thread(
     return await in_thread_or_discard(executor, None, lambda: fn(*args, **kwargs))
 
 
-async def in_thread_or_discard(executor: Executor | None, discard: Callable[[T], None] | None, fn: Callable[[], T]) -> T:
+async def in_thread_or_discard(
+    executor: Executor | None, discard: Callable[[T], None] | None, fn: Callable[[], T]
+) -> T:
     """:func:`in_thread` for work whose result holds resources: a result nobody awaits any more goes to ``discard``.
 
     If the awaiting task is cancelled, the thread is still waited for (its memory may be in use)
