@@ -21,7 +21,7 @@ import pytest
 import torch
 from support import start_server
 
-from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
 from kvstore.backends.base import ByteRange, ObjectRead
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
@@ -317,3 +317,21 @@ async def test_a_huge_key_makes_a_short_error() -> None:
         with pytest.raises(ValueError, match="1000000 characters") as caught:
             await store.lookup(["ab" * 500_000])
         assert len(str(caught.value)) < 300
+
+
+def test_an_engine_threads_stream_is_closed_with_its_store() -> None:
+    """SyncKVStore: closing the store ends its streams (a waiting engine thread gets PrefetchError)."""
+    cfg = StoreConfig(dram={"capacity": LAYOUT.chunk_nbytes * 8}, disk={"enabled": False})
+    store = SyncKVStore(cfg, LAYOUT, "sync")
+    try:
+        keys = store.chunk_keys(list(range(2 * LAYOUT.chunk_tokens)))
+        for i, key in enumerate(keys):
+            assert store.put(key, chunk(i))
+        stream = store.prefetch(keys, depth=1)
+        stream.wait_layer(0, timeout=10)
+    finally:
+        store.close()
+    with pytest.raises(PrefetchError, match="closed"):
+        stream.wait_layer(LAYOUT.num_layers - 1, timeout=10)  # depth 1: never fetched
+    stream.close()
+    assert store.store.pool.stats()["referenced"] == 0
