@@ -93,8 +93,8 @@ class SyncKVStore:
         if not self._thread.is_alive():
             return
         try:
-            # close() bounds itself by timeouts.close; the margin covers the tiers' own close.
-            self._call(self.store.close(), timeout=2 * self.store.config.timeouts.close + 5)
+            # close() bounds each of its steps (streams, pending writes, tiers) by timeouts.close.
+            self._call(self.store.close(), timeout=3 * self.store.config.timeouts.close + 5)
         finally:
             self._stop_loop()
 

@@ -270,15 +270,21 @@ class ChunkTier:
         """
         reads = [ObjectRead(key, partial(self._open_file, key), partial(self._open_remote, key)) for key in keys]
         outcomes = await self.backend.open_many(reads, self.executor)
-        readers: list[LayerReader | None] = []
-        for key, outcome in zip(keys, outcomes, strict=True):
-            if isinstance(outcome, BaseException) or outcome is None:
-                await self.account(key, outcome)
-                readers.append(None)
-                continue
-            header, file, first_layer = outcome
-            self.stats.hits += 1  # one per chunk opened; its layers add to bytes_read
-            readers.append(LayerReader(self, key, header, file, first_layer))
+        readers: list[LayerReader | None] = [
+            None if isinstance(outcome, BaseException) or outcome is None else LayerReader(self, key, *outcome)
+            for key, outcome in zip(keys, outcomes, strict=True)
+        ]
+        try:  # the misses are counted (a corrupt one removed: an await) with every file already owned
+            for key, outcome, reader in zip(keys, outcomes, readers, strict=True):
+                if reader is None:
+                    await self.account(key, outcome if isinstance(outcome, BaseException) else None)
+                else:
+                    self.stats.hits += 1  # one per chunk opened; its layers add to bytes_read
+        except BaseException:  # cancelled meanwhile: nobody will close these readers but us
+            for opened in readers:
+                if opened is not None:
+                    opened.close()
+            raise
         return readers
 
     def _open_file(self, key: ChunkKey, file: ObjectFile) -> OpenedChunk:
