@@ -9,7 +9,7 @@
   handed to an operation stays referenced until that operation has really finished, even past a
   timeout, so its memory is never reused under a thread that is still reading or writing it.
 
-About 500 lines on purpose: put, lookup, get and the write cascade share the slot reference
+About 450 lines on purpose: put, lookup, get and the write cascade share the slot reference
 rules above and read best side by side; what stands alone lives beside this module (reads from
 the tiers, bounded tier operations, measured costs, layer streams, the DRAM pool, metrics).
 """
