@@ -190,7 +190,8 @@ def gc(
     """
     try:
         retention = inventory.Retention(
-            None if max_age is None else parse_duration(max_age), None if max_bytes is None else parse_size(max_bytes)
+            None if max_age is None else parse_duration(max_age, "--max-age"),
+            None if max_bytes is None else parse_size(max_bytes, "--max-bytes"),
         )
     except ValueError as exc:
         raise typer.BadParameter(f"{exc}: pass --max-age and/or --max-bytes") from None

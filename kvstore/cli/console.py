@@ -59,20 +59,20 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
-def parse_size(text: str) -> int:
-    """Bytes in a size option ('500GiB', '2TB', '1048576'); anything else is a usage error naming the text."""
+def parse_size(text: str, option: str) -> int:
+    """Bytes in a size option ('500GiB', '12.5GB', '1048576'); anything else is a usage error naming ``option``."""
     try:
         return units.parse_size(text)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
-def parse_duration(text: str) -> float:
-    """Seconds in a duration option ('90s', '30m', '12h', '7d', '1d12h'); anything else is a usage error."""
+def parse_duration(text: str, option: str) -> float:
+    """Seconds in a duration option ('90s', '10m', '12h', '7d', '1h30m'); anything else is a usage error naming it."""
     try:
         return units.parse_duration(text)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
 def load_config(path: Path | None) -> StoreConfig:
