@@ -3,13 +3,14 @@ which key is wrong and how to fix it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
 import kvstore
-from kvstore import ConfigError, StoreConfig
+from kvstore import ConfigError, KVLayout, KVStore, StoreConfig
 from kvstore.codecs import CODECS
 from kvstore.util.units import parse_duration, parse_size
 
@@ -694,3 +695,26 @@ def test_a_bad_encryption_key_is_rejected_without_echoing_it(bad):
 
 def test_no_encryption_key_means_no_encryption():
     assert StoreConfig().encryption.resolve_key() is None
+
+
+def test_a_disk_capacity_below_one_chunk_fails_at_open_and_deletes_nothing(tmp_path):
+    """The config cannot know the chunk size; the store can, and must refuse before the disk tier evicts to budget."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=256)  # 256 KiB chunks in bf16
+    others = tmp_path / "disk" / "another-model" / "ab" / "cd" / ("abcd" + "0" * 60 + ".kvc")
+    others.parent.mkdir(parents=True)
+    others.write_bytes(b"x" * 1000)  # another namespace's chunk file: opening must not touch it
+    small = layout.chunk_nbytes - 1
+    config = StoreConfig(dram={"capacity": "4MiB"}, disk={"path": tmp_path / "disk", "capacity": small})
+    store = KVStore(config, layout, "mine")
+
+    async def open_and_close() -> None:
+        try:
+            await store.open()
+        finally:
+            await store.close()
+
+    with pytest.raises(ConfigError) as excinfo:
+        asyncio.run(open_and_close())
+    text = error_text(excinfo)
+    assert_mentions(text, "disk.capacity", f"{small:,} bytes", f"{layout.chunk_nbytes:,} bytes", "256.0 KiB")
+    assert others.exists()
