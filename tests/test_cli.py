@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import start_server
 from typer.testing import CliRunner
 
 from kvstore.cli import app
+from kvstore.cli.console import EXIT_UNREACHABLE
+from kvstore.devtools.servers import RedisServer, free_port
 
 runner = CliRunner()
 
@@ -95,3 +100,91 @@ def test_gc_reads_decimal_sizes_and_worded_durations(tmp_path, monkeypatch) -> N
     result = runner.invoke(app, ["gc", "--max-age", "30 minutes", "--max-bytes", "0.005MB", "-y", "-c", str(config)])
     assert result.exit_code == 0, result.output
     assert not old.exists() and new.exists()
+
+
+# -- a tier that cannot be used: one line naming it, exit code 5, no secret -----------------------
+
+PASSWORD = "s3cret-redis-password"
+SECRET_KEY = "s3cret-aws-secret-access-key"
+TOOLS = [["ls"], ["stats"], ["gc", "--max-age", "1d", "--yes"], ["verify"]]
+
+
+@pytest.fixture(scope="module")
+def redis_with_password() -> Iterator[RedisServer]:
+    server = RedisServer("--requirepass", PASSWORD)
+    start_server(server)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def remote_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, section: str) -> Path:
+    """A TOML with one remote tier (``section``, a TOML table's body), short timeouts and a secret AWS key set."""
+    for name in list(os.environ):
+        if name.upper().startswith("KVSTORE"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[disk]\nenabled = false\n[timeouts]\nget = "500ms"\n{section}\nconnect_timeout = "500ms"\n')
+    return config
+
+
+def run_tool(args: list[str], config: Path, caplog: pytest.LogCaptureFixture) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of a tool; no warning may have been logged beside the one error line."""
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        result = runner.invoke(app, [*args, "--config", str(config)])
+    assert not [record.getMessage() for record in caplog.records], "the engine's warnings leak into the tool"
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_line(code: int, out: str, err: str, *fragments: str) -> None:
+    assert code == EXIT_UNREACHABLE, (code, out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert PASSWORD not in out + err and SECRET_KEY not in out + err
+
+
+@pytest.mark.parametrize("args", TOOLS, ids=lambda args: args[0])
+def test_a_redis_nobody_listens_on_is_one_line_and_exit_5(tmp_path, monkeypatch, caplog, args) -> None:
+    port = free_port()
+    url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    config = remote_only(tmp_path, monkeypatch, f'[redis]\nenabled = true\nurl = "{url}"')
+    code, out, err = run_tool(args, config, caplog)
+    assert_one_line(code, out, err, "the redis tier", f"127.0.0.1:{port}", "Connect call failed")
+
+
+@pytest.mark.parametrize("args", TOOLS, ids=lambda args: args[0])
+def test_an_s3_endpoint_nobody_listens_on_is_one_line_and_exit_5(tmp_path, monkeypatch, caplog, args) -> None:
+    port = free_port()
+    section = f'[s3]\nenabled = true\nbucket = "kv"\nendpoint_url = "http://127.0.0.1:{port}"\nmax_attempts = 1'
+    code, out, err = run_tool(args, remote_only(tmp_path, monkeypatch, section), caplog)
+    assert_one_line(code, out, err, "the s3 tier", f"bucket 'kv' at http://127.0.0.1:{port}", "Could not connect")
+
+
+@pytest.mark.parametrize("password", ["wrong-password", None], ids=["wrong", "missing"])
+def test_a_redis_refusing_the_password_is_one_line_and_exit_5(
+    tmp_path, monkeypatch, caplog, redis_with_password, password
+) -> None:
+    url = redis_with_password.url.replace("redis://", f"redis://:{password}@" if password else "redis://")
+    config = remote_only(tmp_path, monkeypatch, f'[redis]\nenabled = true\nurl = "{url}"')
+    code, out, err = run_tool(["ls"], config, caplog)
+    assert_one_line(code, out, err, "the redis tier", f"127.0.0.1:{redis_with_password.port}")
+    assert "password" in err.lower() or "NOAUTH" in err or "Authentication" in err, err
+    assert password is None or password not in err
+
+
+def test_the_right_redis_password_lists(tmp_path, monkeypatch, caplog, redis_with_password) -> None:
+    url = redis_with_password.url.replace("redis://", f"redis://:{PASSWORD}@")
+    config = remote_only(tmp_path, monkeypatch, f'[redis]\nenabled = true\nurl = "{url}"')
+    code, out, err = run_tool(["ls"], config, caplog)
+    assert code == 0 and err == "" and "no chunks stored" in out, (code, out, err)
+    assert PASSWORD not in out
+
+
+def test_the_exit_codes_are_in_the_help() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "Exit codes" in result.output and "5 a tier's server could not be reached" in " ".join(result.output.split())

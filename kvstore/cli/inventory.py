@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import logging
 import math
+import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
-from kvstore.config import StoreConfig
+from kvstore.cli.console import TierUnreachable
+from kvstore.config import RedisConfig, S3Config, StoreConfig
 from kvstore.errors import ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import check_stored_chunk
+from kvstore.util.units import clip
 
 TIERS = ("disk", "redis", "s3")
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (
@@ -30,6 +36,8 @@ AGE_BUCKETS: tuple[tuple[float, str], ...] = (
     (30 * 86400, "7d-30d"),
     (math.inf, ">= 30d"),
 )
+# What each open tool backend's errors must never show (filled by tool_backends, read by reaching).
+_SECRETS: weakref.WeakKeyDictionary[Backend, list[str]] = weakref.WeakKeyDictionary()
 
 
 # -- which tiers and namespaces ----------------------------------------------------------------
@@ -58,15 +66,74 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
             )
     backends: dict[str, Backend] = {}
     async with AsyncExitStack() as stack:
+        stack.enter_context(_engine_warnings_off(names))
         for name in names:
             section = getattr(config, name)
             if name == "s3":
                 section = section.model_copy(update={"create_bucket": False})
             backends[name] = backend = make_backend(section, config.timeouts)
+            _SECRETS[backend] = _secrets(section)
             if name != "disk":
-                await backend.open()
+                with reaching(backend):
+                    await backend.open()
                 stack.push_async_callback(backend.close)
         yield backends
+
+
+@contextmanager
+def _engine_warnings_off(tiers: Sequence[str]) -> Iterator[None]:
+    """Mute the backends' warnings written for engines ("not reachable yet; will keep trying") unless verbose.
+
+    A tool does not keep trying: it reports a tier it cannot use itself, in one line (:func:`reaching`).
+    """
+    loggers = [logging.getLogger(f"kvstore.{tier}") for tier in tiers]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        if not logger.isEnabledFor(logging.INFO):  # --verbose keeps everything
+            logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@contextmanager
+def reaching(backend: Backend) -> Iterator[None]:
+    """Whatever goes wrong talking to ``backend`` in the block becomes one :class:`TierUnreachable` line.
+
+    A dead server, a wrong password or key surfaces as whatever its client raises (redis, botocore,
+    OSError); the operator gets the tier, its endpoint and the cause, with the tier's secrets
+    (as :func:`tool_backends` noted them) blotted out.
+    """
+    try:
+        yield
+    except (ConfigError, TierUnreachable):
+        raise
+    except Exception as exc:
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the client wrote
+        for secret in _SECRETS.get(backend, ()):
+            cause = cause.replace(secret, "***")
+        raise TierUnreachable(backend.name, endpoint(backend), clip(cause, 300)) from exc
+
+
+def endpoint(backend: Backend) -> str:
+    """Where the tools reach ``backend``, without secrets: a directory, a (masked) Redis URL, bucket and endpoint."""
+    url, bucket, root = (getattr(backend, name, None) for name in ("url", "bucket", "root"))
+    if bucket is not None:
+        where = getattr(backend, "endpoint_url", None)
+        where = where or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+        return f"bucket {bucket!r} at {where}"
+    return str(url if url is not None else root if root is not None else backend.name)
+
+
+def _secrets(section: object) -> list[str]:
+    """What must never be printed for this tier: the Redis URL's password, the AWS secret key and session token."""
+    url = getattr(section, "url", None) or (os.environ.get("REDIS_URL") if isinstance(section, RedisConfig) else None)
+    found = [urlsplit(url).password or ""] if url else []
+    if isinstance(section, S3Config):
+        found += [os.environ.get(name, "") for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+    return [secret for secret in found if len(secret) >= 3]  # a one-letter password would blot out the text
 
 
 def namespace_filter(patterns: Sequence[str]) -> Callable[[str], bool] | None:
@@ -82,10 +149,11 @@ async def list_objects(
 ) -> list[StoredObject]:
     """Every object the backend holds in the accepted namespaces; ``on_page`` hears each page's size as it comes."""
     objects: list[StoredObject] = []
-    async for page in backend.scan(accept):
-        objects.extend(page)
-        if on_page is not None:
-            on_page(len(page))
+    with reaching(backend):
+        async for page in backend.scan(accept):
+            objects.extend(page)
+            if on_page is not None:
+                on_page(len(page))
     return objects
 
 
