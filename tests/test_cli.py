@@ -188,3 +188,41 @@ def test_the_exit_codes_are_in_the_help() -> None:
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "Exit codes" in result.output and "5 a tier's server could not be reached" in " ".join(result.output.split())
+
+
+# -- temporary files a killed writer left -----------------------------------------------------------
+
+
+def temporaries(root: Path) -> tuple[Path, Path]:
+    """A stale temporary (a writer killed 20 minutes ago) and a fresh one (a write in progress)."""
+    chunk = chunk_file(root)
+    chunk.unlink()  # only its name: the temporaries are the files of two writes of it
+    stale = chunk.with_name(f"{chunk.name}.tmp-4242-deadbeef")
+    fresh = chunk.with_name(f"{chunk.name}.tmp-4343-cafef00d")
+    stale.write_bytes(b"y" * 3000)
+    fresh.write_bytes(b"z" * 3000)
+    past = time.time() - 20 * 60  # older than the bound a store's open sweeps with (disk.STALE_TMP_SECONDS)
+    os.utime(stale, (past, past))
+    return stale, fresh
+
+
+@pytest.mark.parametrize("args", [["gc", "--max-age", "1d", "--yes"], ["verify"]], ids=["gc", "verify"])
+def test_gc_and_verify_remove_stale_temporaries_and_leave_fresh_ones(tmp_path, monkeypatch, args) -> None:
+    """They were skipped by the listing and only went when a store opened on the directory."""
+    config, root = disk_only(tmp_path, monkeypatch)
+    stale, fresh = temporaries(root)
+    result = runner.invoke(app, [*args, "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and fresh.exists()
+    output = " ".join(result.stdout.split())
+    assert "removed 1 stale temporary files (2.9 KiB), older than 10 min" in output, output
+    assert "left 1 temporary files younger than 10 min" in output, output
+
+
+def test_a_gc_dry_run_only_reports_stale_temporaries(tmp_path, monkeypatch) -> None:
+    config, root = disk_only(tmp_path, monkeypatch)
+    stale, fresh = temporaries(root)
+    result = runner.invoke(app, ["gc", "--max-age", "1d", "--dry-run", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert stale.exists() and fresh.exists()
+    assert "dry run: would remove 1 stale temporary files" in " ".join(result.stdout.split()), result.stdout

@@ -18,14 +18,18 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
+from kvstore.backends.disk import STALE_TMP_SECONDS, TMP_MARK, DiskBackend
+from kvstore.backends.files import unlink_quietly, walk_files
 from kvstore.cli.console import TierUnreachable
 from kvstore.config import RedisConfig, S3Config, StoreConfig
 from kvstore.errors import ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import check_stored_chunk
+from kvstore.util.threads import in_thread
 from kvstore.util.units import clip
 
 TIERS = ("disk", "redis", "s3")
@@ -271,6 +275,51 @@ async def run_gc(
         step: Progress | None = None if progress is None else (lambda report, t=plan.tier: progress(t, report))
         reports[plan.tier] = await backends[plan.tier].remove_unchanged(plan.victims, step)
     return reports
+
+
+# -- temporary files -----------------------------------------------------------------------------
+
+
+@dataclass
+class TemporarySweep:
+    """The disk tier's temporary files: stale ones (a killed writer's) removed or to remove, fresh ones left."""
+
+    stale: int = 0
+    stale_bytes: int = 0
+    removed: int = 0
+    fresh: int = 0  # younger than STALE_TMP_SECONDS: a live writer may own them
+
+
+async def sweep_temporaries(
+    backends: dict[str, Backend], accept: Callable[[str], bool] | None, *, remove: bool
+) -> TemporarySweep | None:
+    """The disk tier's stale temporary files in the accepted namespaces, removed when ``remove``; None without disk.
+
+    A writer killed mid-write leaves ``<key>.kvc.tmp-...`` (and a killed gc its set-aside file),
+    which no listing shows. One older than ``STALE_TMP_SECONDS``, the bound a store's open sweeps
+    with, has no live writer: it goes. A younger one may be a write in progress: it stays, counted.
+    """
+    backend = backends.get("disk")
+    if not isinstance(backend, DiskBackend):
+        return None
+    return await in_thread(None, _sweep_temporaries, backend.root, accept, remove)
+
+
+def _sweep_temporaries(root: Path, accept: Callable[[str], bool] | None, remove: bool) -> TemporarySweep:
+    sweep = TemporarySweep()
+    now = time.time()
+    for _, path, stat in walk_files(root, accept):
+        if TMP_MARK not in path.name:
+            continue
+        if now - stat.st_mtime <= STALE_TMP_SECONDS:
+            sweep.fresh += 1
+            continue
+        sweep.stale += 1
+        sweep.stale_bytes += stat.st_size
+        if remove:
+            unlink_quietly(path)
+            sweep.removed += 1
+    return sweep
 
 
 # -- verify -------------------------------------------------------------------------------------
