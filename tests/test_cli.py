@@ -226,3 +226,9 @@ def test_a_gc_dry_run_only_reports_stale_temporaries(tmp_path, monkeypatch) -> N
     assert result.exit_code == 0, result.output
     assert stale.exists() and fresh.exists()
     assert "dry run: would remove 1 stale temporary files" in " ".join(result.stdout.split()), result.stdout
+
+
+@pytest.mark.parametrize("dram, problem", [("12,5MB", "Invalid value for '--dram'"), ("0", "dram.capacity = '0'")])
+def test_demo_refuses_a_dram_size_it_cannot_use_without_a_traceback(tmp_path, dram, problem) -> None:
+    result = runner.invoke(app, ["demo", "--dram", dram, "--dir", str(tmp_path)])
+    assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output, result.output
