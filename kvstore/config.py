@@ -39,23 +39,33 @@ from pydantic_settings import (
 
 from kvstore.codecs import make_codec
 from kvstore.errors import ConfigError
+from kvstore.util import units
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
 _toml_file: ContextVar[Path | None] = ContextVar("kvstore_toml_file", default=None)
 
 
-_SIZE_TEXT = re.compile(r"\s*\d*\.?\d+\s*[A-Za-z]*\s*")
+def _size(value: Any) -> Any:
+    """Sizes through the one strict parser (kvstore.util.units): pydantic's ByteSize read '12,5GB' as 12 bytes."""
+    return value if isinstance(value, ByteSize) else units.parse_size(value)
 
 
-def _strict_size(value: Any) -> Any:
-    """pydantic's ByteSize ignores what follows the first number and unit: '12,5GB' would be 12 bytes."""
-    if isinstance(value, str) and not _SIZE_TEXT.fullmatch(value):
-        raise ValueError(f"could not parse {value!r} as a size; write a number with an optional unit, e.g. '512MiB'")
-    return value
+def _capacity(value: Any) -> Any:
+    """A tier's byte budget: positive (0 or less would evict every chunk; the store checks one chunk at open)."""
+    if isinstance(value, ByteSize) and value > 0:
+        return value
+    return units.parse_size(value, minimum=1, why="a capacity must hold at least one chunk of the model's KV")
 
 
-Size = Annotated[ByteSize, BeforeValidator(_strict_size)]
+def _duration(value: Any) -> Any:
+    """Durations (seconds) through the one strict parser: 5, 2.5, '500ms', '30s', '10m', '1h30m'."""
+    return units.parse_duration(value)
+
+
+Size = Annotated[ByteSize, BeforeValidator(_size)]
+Capacity = Annotated[ByteSize, BeforeValidator(_capacity)]
+Duration = Annotated[float, BeforeValidator(_duration)]
 
 
 def default_cache_dir() -> Path:
@@ -73,7 +83,7 @@ class _Section(BaseModel):
 
 
 class DramConfig(_Section):
-    capacity: Size = Field(ByteSize(1 << 30), description="bytes of the DRAM slab pool, e.g. '4GiB'")
+    capacity: Capacity = Field(ByteSize(1 << 30), description="bytes of the DRAM slab pool, e.g. '4GiB'")
     pin_memory: Literal["auto", "always", "never"] = Field(
         "auto", description="pin the pool (page-locked) when CUDA is present ('auto'), always, or never"
     )
@@ -82,7 +92,9 @@ class DramConfig(_Section):
 class DiskConfig(_Section):
     enabled: bool = True
     path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
-    capacity: Size = Field(ByteSize(16 << 30), description="byte budget; least recently used files go first")
+    capacity: Capacity = Field(
+        ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; least recently used files go first"
+    )
     codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'bytesplit'")
     fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
 
@@ -102,7 +114,7 @@ class _RemoteSection(_Section):
     enabled: bool = False
     prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
     codec: str = Field("bytesplit", description="codec pipeline at this boundary, e.g. 'bytesplit' or 'fp8+zstd'")
-    connect_timeout: float = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
+    connect_timeout: Duration = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
 
     @field_validator("codec")
     @classmethod
@@ -140,7 +152,9 @@ class RedisConfig(_RemoteSection):
         None, repr=False, description="redis:// or rediss:// URL (else $REDIS_URL, else redis://127.0.0.1:6379/0)"
     )
     cluster: bool = Field(False, description="the URL names one node of a Redis Cluster")
-    ttl: float | None = Field(None, gt=0, description="seconds a chunk lives after its last full read (none: forever)")
+    ttl: Duration | None = Field(
+        None, gt=0, description="seconds a chunk lives after its last full read, e.g. '7d' (none: forever)"
+    )
     max_connections: int = Field(32, ge=1, le=4096, description="connections in the pool (per node on a cluster)")
 
 
@@ -200,11 +214,11 @@ class EncryptionConfig(_Section):
 
 
 class TimeoutConfig(_Section):
-    get: float = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
-    put: float = Field(
+    get: Duration = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
+    put: Duration = Field(
         30.0, gt=0, description="seconds a tier may take to write one chunk before it counts as an error"
     )
-    close: float = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
+    close: Duration = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
 
 
 class MetricsConfig(_Section):
@@ -235,7 +249,7 @@ class AdaptiveConfig(_Section):
     auto: bool = Field(False, description="resize DRAM within [dram_min, dram_max], switch policy as traffic changes")
     dram_min: Size | None = Field(None, description="smallest DRAM size auto mode may pick (default dram.capacity/8)")
     dram_max: Size | None = Field(None, description="largest DRAM size auto mode may pick (default dram.capacity)")
-    interval: float = Field(30.0, ge=0, description="seconds between auto mode's decisions, at least")
+    interval: Duration = Field(30.0, ge=0, description="seconds between auto mode's decisions, at least")
     min_references: int = Field(20_000, ge=1, description="chunk lookups between auto mode's decisions, at least")
     knee: float = Field(0.95, gt=0, le=1, description="smallest DRAM size with this share of the largest one's gain")
     trace: Path | None = Field(None, description="append every chunk lookup to this trace file (for kvstore advise)")
@@ -369,7 +383,7 @@ def _reject_unknown_env() -> None:
                 choices = sorted(known | {CONFIG_FILE_ENV.removeprefix(ENV_PREFIX)})
                 hint = difflib.get_close_matches(rest, choices, n=1)
                 fix = f"did you mean {ENV_PREFIX}{hint[0]}?" if hint else f"valid: {sorted(known)}"
-                raise ConfigError(f"unknown environment variable {name}: {fix}")
+                raise ConfigError(f"unknown environment variable {units.clip(name)}: {fix}")
 
 
 def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
@@ -377,7 +391,7 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
     paths = _known_paths(model)
     lines = ["invalid kvstore configuration:"]
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"])
+        key = units.clip(".".join(str(part) for part in error["loc"]))  # a typo'd key may be huge too
         if error["type"] == "extra_forbidden":
             parent = key.rpartition(".")[0]
             siblings = sorted(p for p in paths if p.rpartition(".")[0] == parent)
@@ -390,7 +404,7 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
         message = error["msg"].removeprefix("Value error, ")
         field = _field(model, error["loc"])
         description = field.description if field else None
-        shown = "'**********'" if field is not None and _is_secret(field) else repr(error.get("input"))
+        shown = "'**********'" if field is not None and _is_secret(field) else units.shown(error.get("input"))
         lines.append(f"  {key} = {shown}: {message}" + (f" ({description})" if description else ""))
     return "\n".join(lines)
 

@@ -3,14 +3,16 @@ which key is wrong and how to fix it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
 import kvstore
-from kvstore import ConfigError, StoreConfig
+from kvstore import ConfigError, KVLayout, KVStore, StoreConfig
 from kvstore.codecs import CODECS
+from kvstore.util.units import parse_duration, parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -91,7 +93,6 @@ def test_keyword_arguments(tmp_path):
         ("1GB", 10**9),
         ("4096", 4096),
         (4096, 4096),
-        ("0", 0),
     ],
 )
 def test_size_strings(text, expected):
@@ -319,8 +320,8 @@ def test_bad_codec_from_env(monkeypatch):
         ({"queue_depth": 0}, "queue_depth", "greater than or equal to 1"),
         ({"queue_depth": -5}, "queue_depth", "greater than or equal to 1"),
         ({"timeouts": {"get": 0}}, "timeouts.get", "greater than 0"),
-        ({"timeouts": {"put": -1.0}}, "timeouts.put", "greater than 0"),
-        ({"timeouts": {"close": float("nan")}}, "timeouts.close", "greater than 0"),
+        ({"timeouts": {"put": -1.0}}, "timeouts.put", "a duration is 0 or more"),
+        ({"timeouts": {"close": float("nan")}}, "timeouts.close", "must be finite"),
         ({"queue_depth": "many"}, "queue_depth", "valid integer"),
         ({"dram": {"pin_memory": "sometimes"}}, "dram.pin_memory", "'auto'"),
         ({"disk": {"fsync": "perhaps"}}, "disk.fsync", "valid boolean"),
@@ -339,6 +340,122 @@ def test_unparseable_size_names_the_key_and_an_example(size):
     with pytest.raises(ConfigError) as excinfo:
         StoreConfig(dram={"capacity": size})
     assert_mentions(error_text(excinfo), "dram.capacity", repr(size), "e.g. '4GiB'")
+
+
+# One parser for sizes and one for durations (kvstore.util.units), for the configuration and the CLI alike:
+# a value parses whole, or fails with a message that shows a valid one.
+SIZES = [
+    ("12.5GB", 12_500_000_000),  # a decimal point is fine
+    ("5 GB", 5 * 10**9),
+    ("5GiB", 5 * GiB),
+    ("5gib", 5 * GiB),
+    (" 4096 ", 4096),
+    (".5KiB", 512),
+    (4096, 4096),  # a number (TOML, JSON) is bytes
+]
+BAD_SIZES = [
+    ("12,5GB", "decimal point as '.'"),  # pydantic's ByteSize read this as 12 bytes
+    ("1,000", "no thousands separator"),
+    ("1e3", "rather than an exponent"),
+    ("-5", "cannot be negative"),
+    ("5 XB", "unknown unit 'XB'"),
+    ("", "an empty size"),
+    ("   ", "an empty size"),
+    ("1_000", "not a size"),
+    ("inf", "not a size"),
+    (1.5, "whole number of bytes"),
+    (float("inf"), "finite"),
+    (True, "not a size"),
+]
+DURATIONS = [
+    ("10m", 600.0),
+    ("10 minutes", 600.0),
+    ("10 min", 600.0),
+    ("1h30m", 5400.0),
+    ("1h 30m", 5400.0),
+    ("1.5h", 5400.0),
+    ("500ms", 0.5),
+    ("7d", 7 * 86400.0),
+    ("2w", 14 * 86400.0),
+    ("3600", 3600.0),  # a bare number is seconds
+    (2.5, 2.5),
+]
+BAD_DURATIONS = [
+    ("-5", "cannot be negative"),
+    ("", "an empty duration"),
+    ("10 fortnights", "unknown unit 'fortnights'"),
+    ("1e3", "unknown unit 'e'"),
+    ("1h30", "a number without a unit"),
+    ("inf", "not a duration"),
+    ("soon", "not a duration"),
+    (-1, "0 or more"),
+    (float("nan"), "finite"),
+]
+
+
+@pytest.mark.parametrize("text, expected", SIZES)
+def test_sizes_parse_whole(text, expected):
+    assert parse_size(text) == expected
+    assert StoreConfig(disk={"capacity": text}).disk.capacity == expected
+
+
+@pytest.mark.parametrize("text, problem", BAD_SIZES)
+def test_bad_sizes_fail_with_the_problem_and_an_example(text, problem):
+    with pytest.raises(ValueError) as parsed:
+        parse_size(text)
+    assert_mentions(str(parsed.value), problem, "e.g. 500GiB")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(s3={"multipart_threshold": text})
+    assert_mentions(error_text(excinfo), "s3.multipart_threshold = ", problem, "e.g. 500GiB")
+
+
+@pytest.mark.parametrize("text, expected", DURATIONS)
+def test_durations_parse_whole_in_every_duration_key(text, expected):
+    assert parse_duration(text) == expected
+    config = StoreConfig(timeouts={"get": text, "put": text}, redis={"ttl": text, "connect_timeout": text})
+    assert config.timeouts.get == config.timeouts.put == config.redis.ttl == config.redis.connect_timeout == expected
+
+
+@pytest.mark.parametrize("text, problem", BAD_DURATIONS)
+def test_bad_durations_fail_with_the_problem_and_an_example(text, problem):
+    with pytest.raises(ValueError) as parsed:
+        parse_duration(text)
+    assert_mentions(str(parsed.value), problem, "e.g. 90s")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(adaptive={"interval": text})
+    assert_mentions(error_text(excinfo), "adaptive.interval = ", problem)
+
+
+def test_durations_from_env_and_toml(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_TIMEOUTS__GET", "1500ms")
+    path = write_toml(tmp_path, '[timeouts]\nclose = "1m"\n[s3]\nconnect_timeout = 3\n')
+    config = StoreConfig.load(path)
+    assert (config.timeouts.get, config.timeouts.close, config.s3.connect_timeout) == (1.5, 60.0, 3.0)
+    monkeypatch.setenv("KVSTORE_TIMEOUTS__GET", "5 sec0nds")
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), "timeouts.get = '5 sec0nds'", "e.g. 90s")
+
+
+@pytest.mark.parametrize("section", ["disk", "dram"])
+@pytest.mark.parametrize("value", [0, -5, "-5", "0GiB"])
+def test_a_capacity_below_one_chunk_names_the_key_and_the_minimum(section, value):
+    """disk.capacity = 0 was accepted, and opening the store then evicted every file in the directory."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(**{section: {"capacity": value}})
+    text = error_text(excinfo)
+    assert_mentions(text, f"{section}.capacity = ", "at least one chunk", "e.g. 500GiB")
+    assert "could not parse" not in text
+
+
+def test_a_huge_value_or_key_is_quoted_short():
+    """A 1 MB value (or key) in the configuration must not come back as a 1 MB error message."""
+    huge = "9" * 10**6 + "X"
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(disk={"capacity": huge, "k" * 10**6: 1})
+    text = error_text(excinfo)
+    assert len(text) < 2000, len(text)
+    assert_mentions(text, "disk.capacity = ", "1,000,003 characters", "unknown key")
 
 
 def test_unparseable_size_from_env_and_toml(tmp_path, monkeypatch):
@@ -578,3 +695,26 @@ def test_a_bad_encryption_key_is_rejected_without_echoing_it(bad):
 
 def test_no_encryption_key_means_no_encryption():
     assert StoreConfig().encryption.resolve_key() is None
+
+
+def test_a_disk_capacity_below_one_chunk_fails_at_open_and_deletes_nothing(tmp_path):
+    """The config cannot know the chunk size; the store can, and must refuse before the disk tier evicts to budget."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=256)  # 256 KiB chunks in bf16
+    others = tmp_path / "disk" / "another-model" / "ab" / "cd" / ("abcd" + "0" * 60 + ".kvc")
+    others.parent.mkdir(parents=True)
+    others.write_bytes(b"x" * 1000)  # another namespace's chunk file: opening must not touch it
+    small = layout.chunk_nbytes - 1
+    config = StoreConfig(dram={"capacity": "4MiB"}, disk={"path": tmp_path / "disk", "capacity": small})
+    store = KVStore(config, layout, "mine")
+
+    async def open_and_close() -> None:
+        try:
+            await store.open()
+        finally:
+            await store.close()
+
+    with pytest.raises(ConfigError) as excinfo:
+        asyncio.run(open_and_close())
+    text = error_text(excinfo)
+    assert_mentions(text, "disk.capacity", f"{small:,} bytes", f"{layout.chunk_nbytes:,} bytes", "256.0 KiB")
+    assert others.exists()

@@ -48,7 +48,7 @@ log = logging.getLogger("kvstore.disk")
 T = TypeVar("T")
 
 SUFFIX = ".kvc"
-_TMP_MARK = ".tmp-"
+TMP_MARK = _TMP_MARK = ".tmp-"  # in every temporary name; public for kvstore gc and verify, which sweep them too
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
 STALE_TMP_SECONDS = 600.0
 MTIME_REFRESH_SECONDS = 10.0

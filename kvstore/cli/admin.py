@@ -4,7 +4,7 @@ The work (listing, choosing, removing, checking) is in :mod:`kvstore.cli.invento
 turns options into calls and results into tables. Exit codes are in :mod:`kvstore.cli.console`
 (and the README): 0 done; 1 some objects could not be listed, read or deleted; 2 bad usage or
 configuration; 3 ``verify`` found damaged objects and left them in place; 4 the deletion was
-not confirmed.
+not confirmed; 5 a tier's server could not be reached or refused the credentials (one line).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import typer
 from rich.table import Table
 
 from kvstore.backends import RemoveReport
+from kvstore.backends.disk import STALE_TMP_SECONDS
 from kvstore.cli import inventory
 from kvstore.cli.console import (
     EXIT_DAMAGED,
@@ -187,10 +188,12 @@ def gc(
 
     Safe beside running engines: only objects still exactly as listed are deleted (a chunk written
     or read since is kept), and a reader of a deleted chunk sees a miss. Running it again is harmless.
+    Temporary files that killed writers left on disk (older than 10 minutes) go too.
     """
     try:
         retention = inventory.Retention(
-            None if max_age is None else parse_duration(max_age), None if max_bytes is None else parse_size(max_bytes)
+            None if max_age is None else parse_duration(max_age, "--max-age"),
+            None if max_bytes is None else parse_size(max_bytes, "--max-bytes"),
         )
     except ValueError as exc:
         raise typer.BadParameter(f"{exc}: pass --max-age and/or --max-bytes") from None
@@ -229,6 +232,7 @@ async def collect(
         doomed_bytes = sum(plan.victim_bytes for plan in plans)
         if dry_run or not doomed:
             console.print(gc_table(plans, None, dry_run))
+            print_sweep(await inventory.sweep_temporaries(backends, accept, remove=not dry_run))
             if install_lifecycle:
                 await lifecycle(backends["s3"], retention, namespaces, dry_run)
             console.print(f"dry run: {doomed:,} chunks ({human_bytes(doomed_bytes)}) would be deleted" if dry_run else
@@ -246,6 +250,7 @@ async def collect(
             task = bar.add_task("deleting", total=doomed)
             reports = await inventory.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
         console.print(gc_table(plans, reports, dry_run=False))
+        print_sweep(await inventory.sweep_temporaries(backends, accept, remove=True))
         removed = sum(report.removed for report in reports.values())
         removed_bytes = sum(report.removed_bytes for report in reports.values())
         console.print(f"deleted {removed:,} chunks ({human_bytes(removed_bytes)})")
@@ -255,6 +260,21 @@ async def collect(
     for error in failures[:10]:
         errors.print(f"[red]could not delete {error}[/red]", highlight=False)
     return EXIT_ERRORS if failures else EXIT_OK
+
+
+def print_sweep(sweep: inventory.TemporarySweep | None) -> None:
+    """What became of the disk tier's temporary files (nothing is printed when there were none)."""
+    if sweep is None:
+        return
+    minutes = f"{STALE_TMP_SECONDS / 60:.0f} min"
+    if sweep.stale:
+        done = "removed" if sweep.removed else "dry run: would remove"
+        console.print(
+            f"{done} {sweep.stale:,} stale temporary files ({human_bytes(sweep.stale_bytes)}), "
+            f"older than {minutes}: left by writers that were killed"
+        )
+    if sweep.fresh:
+        console.print(f"left {sweep.fresh:,} temporary files younger than {minutes}: a writer may still own them")
 
 
 def gc_table(plans: list[inventory.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
@@ -306,6 +326,9 @@ def verify(
 ) -> None:
     """Read every chunk and check every checksum; report the damaged ones, and with --delete remove them.
 
+    Temporary files that killed writers left on disk (older than 10 minutes, so no live writer owns
+    them) are removed and reported: they are never chunks.
+
     On Redis before 7.2, reading a value counts as an access: verify restarts the idle times that
     gc's --max-age uses there.
     """
@@ -326,6 +349,7 @@ async def check_all(
     accept = inventory.namespace_filter(namespaces or [])
     results = []
     async with inventory.tool_backends(config, tiers) as backends:
+        sweep = await inventory.sweep_temporaries(backends, accept, remove=True)
         with progress_bar() as bar:
             for name, backend in backends.items():
                 listing = bar.add_task(f"listing {name}", total=None)
@@ -341,6 +365,7 @@ async def check_all(
         if delete and damaged:
             if not yes and not (sys.stdin.isatty() and typer.confirm(f"Remove {len(damaged)} damaged objects?")):
                 console.print("nothing removed")
+                print_sweep(sweep)
                 return EXIT_DECLINED
             for result in results:
                 if result.damaged:
@@ -360,6 +385,7 @@ async def check_all(
             f"{len(result.errors):,}",
         )
     console.print(table)
+    print_sweep(sweep)
     for result in results:
         for error in result.errors[:10]:
             errors.print(f"[red]read failed: {result.tier} {error}[/red]", highlight=False)

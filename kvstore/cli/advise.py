@@ -216,12 +216,13 @@ def advise_command(
     if not len(data):
         raise fail(f"{data.path}: no lookups recorded")
     settings = load_config(config)
-    chunk = meta_number(data, "chunk_bytes", None if chunk_bytes is None else parse_size(chunk_bytes), "--chunk-bytes")
+    given = None if chunk_bytes is None else parse_size(chunk_bytes, "--chunk-bytes")
+    chunk = meta_number(data, "chunk_bytes", given, "--chunk-bytes")
     tokens = meta_number(data, "chunk_tokens", chunk_tokens, "--chunk-tokens")
     current: Policy = settings.adaptive.policy if policy is None else _policy(policy)
-    dram_bytes = int(settings.dram.capacity) if dram is None else parse_size(dram)
+    dram_bytes = int(settings.dram.capacity) if dram is None else parse_size(dram, "--dram")
     if disk is not None:
-        disk_bytes = parse_size(disk)
+        disk_bytes = parse_size(disk, "--disk")
     else:
         disk_bytes = int(settings.disk.capacity) if settings.disk.enabled else 0
     if dram_bytes < chunk:

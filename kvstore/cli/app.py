@@ -19,9 +19,10 @@ from typing import Annotated
 import typer
 
 from kvstore.cli import admin, advise, bench, devtools
+from kvstore.cli.console import EXIT_CODES
 
 app = typer.Typer(
-    help="kvstore: a tiered KV-cache store for LLM inference engines.",
+    help=f"kvstore: a tiered KV-cache store for LLM inference engines.\n\n{EXIT_CODES}",
     no_args_is_help=True,
     rich_markup_mode="markdown",
 )

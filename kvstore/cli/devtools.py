@@ -7,13 +7,12 @@ imported inside the commands, so ``kvstore --help`` does not wait for torch.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvstore.cli.console import EXIT_ERRORS, EXIT_USAGE, console, fail, make_table
+from kvstore.cli.console import EXIT_ERRORS, EXIT_USAGE, console, fail, make_table, parse_size, run
 from kvstore.util.units import MB
 
 if TYPE_CHECKING:  # imported for real inside the command (see the docstring)
@@ -31,7 +30,8 @@ def demo(
     """The full cascade on the embedded default (DRAM + local disk): write, restart, read back."""
     from kvstore.devtools.demo import run_demo
 
-    report = asyncio.run(run_demo(prompts=prompts, tokens=tokens, dram=dram, directory=directory))
+    parse_size(dram, "--dram")  # a usage error here, not a traceback from the store's configuration
+    report = run(lambda: run_demo(prompts=prompts, tokens=tokens, dram=dram, directory=directory))
     print_demo(report)
     raise typer.Exit(0 if report.ok else 1)
 

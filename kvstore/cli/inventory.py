@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import logging
 import math
+import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
-from kvstore.config import StoreConfig
+from kvstore.backends.disk import STALE_TMP_SECONDS, TMP_MARK, DiskBackend
+from kvstore.backends.files import unlink_quietly, walk_files
+from kvstore.cli.console import TierUnreachable
+from kvstore.config import RedisConfig, S3Config, StoreConfig
 from kvstore.errors import ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import check_stored_chunk
+from kvstore.util.threads import in_thread
+from kvstore.util.units import clip
 
 TIERS = ("disk", "redis", "s3")
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (
@@ -30,6 +40,8 @@ AGE_BUCKETS: tuple[tuple[float, str], ...] = (
     (30 * 86400, "7d-30d"),
     (math.inf, ">= 30d"),
 )
+# What each open tool backend's errors must never show (filled by tool_backends, read by reaching).
+_SECRETS: weakref.WeakKeyDictionary[Backend, list[str]] = weakref.WeakKeyDictionary()
 
 
 # -- which tiers and namespaces ----------------------------------------------------------------
@@ -58,15 +70,74 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
             )
     backends: dict[str, Backend] = {}
     async with AsyncExitStack() as stack:
+        stack.enter_context(_engine_warnings_off(names))
         for name in names:
             section = getattr(config, name)
             if name == "s3":
                 section = section.model_copy(update={"create_bucket": False})
             backends[name] = backend = make_backend(section, config.timeouts)
+            _SECRETS[backend] = _secrets(section)
             if name != "disk":
-                await backend.open()
+                with reaching(backend):
+                    await backend.open()
                 stack.push_async_callback(backend.close)
         yield backends
+
+
+@contextmanager
+def _engine_warnings_off(tiers: Sequence[str]) -> Iterator[None]:
+    """Mute the backends' warnings written for engines ("not reachable yet; will keep trying") unless verbose.
+
+    A tool does not keep trying: it reports a tier it cannot use itself, in one line (:func:`reaching`).
+    """
+    loggers = [logging.getLogger(f"kvstore.{tier}") for tier in tiers]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        if not logger.isEnabledFor(logging.INFO):  # --verbose keeps everything
+            logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@contextmanager
+def reaching(backend: Backend) -> Iterator[None]:
+    """Whatever goes wrong talking to ``backend`` in the block becomes one :class:`TierUnreachable` line.
+
+    A dead server, a wrong password or key surfaces as whatever its client raises (redis, botocore,
+    OSError); the operator gets the tier, its endpoint and the cause, with the tier's secrets
+    (as :func:`tool_backends` noted them) blotted out.
+    """
+    try:
+        yield
+    except (ConfigError, TierUnreachable):
+        raise
+    except Exception as exc:
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the client wrote
+        for secret in _SECRETS.get(backend, ()):
+            cause = cause.replace(secret, "***")
+        raise TierUnreachable(backend.name, endpoint(backend), clip(cause, 300)) from exc
+
+
+def endpoint(backend: Backend) -> str:
+    """Where the tools reach ``backend``, without secrets: a directory, a (masked) Redis URL, bucket and endpoint."""
+    url, bucket, root = (getattr(backend, name, None) for name in ("url", "bucket", "root"))
+    if bucket is not None:
+        where = getattr(backend, "endpoint_url", None)
+        where = where or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+        return f"bucket {bucket!r} at {where}"
+    return str(url if url is not None else root if root is not None else backend.name)
+
+
+def _secrets(section: object) -> list[str]:
+    """What must never be printed for this tier: the Redis URL's password, the AWS secret key and session token."""
+    url = getattr(section, "url", None) or (os.environ.get("REDIS_URL") if isinstance(section, RedisConfig) else None)
+    found = [urlsplit(url).password or ""] if url else []
+    if isinstance(section, S3Config):
+        found += [os.environ.get(name, "") for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+    return [secret for secret in found if len(secret) >= 3]  # a one-letter password would blot out the text
 
 
 def namespace_filter(patterns: Sequence[str]) -> Callable[[str], bool] | None:
@@ -82,10 +153,11 @@ async def list_objects(
 ) -> list[StoredObject]:
     """Every object the backend holds in the accepted namespaces; ``on_page`` hears each page's size as it comes."""
     objects: list[StoredObject] = []
-    async for page in backend.scan(accept):
-        objects.extend(page)
-        if on_page is not None:
-            on_page(len(page))
+    with reaching(backend):
+        async for page in backend.scan(accept):
+            objects.extend(page)
+            if on_page is not None:
+                on_page(len(page))
     return objects
 
 
@@ -203,6 +275,51 @@ async def run_gc(
         step: Progress | None = None if progress is None else (lambda report, t=plan.tier: progress(t, report))
         reports[plan.tier] = await backends[plan.tier].remove_unchanged(plan.victims, step)
     return reports
+
+
+# -- temporary files -----------------------------------------------------------------------------
+
+
+@dataclass
+class TemporarySweep:
+    """The disk tier's temporary files: stale ones (a killed writer's) removed or to remove, fresh ones left."""
+
+    stale: int = 0
+    stale_bytes: int = 0
+    removed: int = 0
+    fresh: int = 0  # younger than STALE_TMP_SECONDS: a live writer may own them
+
+
+async def sweep_temporaries(
+    backends: dict[str, Backend], accept: Callable[[str], bool] | None, *, remove: bool
+) -> TemporarySweep | None:
+    """The disk tier's stale temporary files in the accepted namespaces, removed when ``remove``; None without disk.
+
+    A writer killed mid-write leaves ``<key>.kvc.tmp-...`` (and a killed gc its set-aside file),
+    which no listing shows. One older than ``STALE_TMP_SECONDS``, the bound a store's open sweeps
+    with, has no live writer: it goes. A younger one may be a write in progress: it stays, counted.
+    """
+    backend = backends.get("disk")
+    if not isinstance(backend, DiskBackend):
+        return None
+    return await in_thread(None, _sweep_temporaries, backend.root, accept, remove)
+
+
+def _sweep_temporaries(root: Path, accept: Callable[[str], bool] | None, remove: bool) -> TemporarySweep:
+    sweep = TemporarySweep()
+    now = time.time()
+    for _, path, stat in walk_files(root, accept):
+        if TMP_MARK not in path.name:
+            continue
+        if now - stat.st_mtime <= STALE_TMP_SECONDS:
+            sweep.fresh += 1
+            continue
+        sweep.stale += 1
+        sweep.stale_bytes += stat.st_size
+        if remove:
+            unlink_quietly(path)
+            sweep.removed += 1
+    return sweep
 
 
 # -- verify -------------------------------------------------------------------------------------

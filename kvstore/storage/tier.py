@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from kvstore.backends.base import Backend, ObjectFile, ObjectRead, ObjectWrite
 from kvstore.codecs import CodecPipeline
-from kvstore.errors import ChunkFormatError, ForeignChunkError
+from kvstore.errors import ChunkFormatError, ConfigError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.container import (
@@ -39,6 +39,7 @@ from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.storage.stats import TierLatency, TierStats
 from kvstore.util.threads import in_thread
+from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore.tier")
 T = TypeVar("T")
@@ -74,6 +75,14 @@ class ChunkTier:
         self._batch_layers = min(layout.num_layers, max(1, BATCH_BYTES // layout.layer_nbytes))
 
     async def open(self) -> None:
+        """Open the backend, after refusing a byte budget below one chunk (it would evict everything it holds)."""
+        capacity, chunk = self.backend.capacity_bytes, self.layout.chunk_nbytes
+        if capacity is not None and capacity < chunk:
+            raise ConfigError(
+                f"{self.name}.capacity = {capacity:,} bytes is below one chunk of {self.layout.describe()} "
+                f"({chunk:,} bytes): the tier could keep nothing (and would evict every file it finds); "
+                f"set {self.name}.capacity to at least {human_bytes(chunk)}, in practice many chunks (e.g. '500GiB')"
+            )
         await self.backend.open()
 
     async def close(self) -> None:

@@ -2,8 +2,11 @@
 
 Why here: the CLI tables, the advice sentences, the benchmarks and the demo all print byte counts,
 throughputs and ages. Written out at each place they drifted (``MiB`` here, ``M`` there, GB/s
-computed three ways); these functions are the one spelling. Pure stdlib plus pydantic's size
-parser (the same one the configuration uses), so any layer may import them.
+computed three ways); these functions are the one spelling. Pure stdlib, so any layer may import them.
+
+Parsing is strict, for the configuration and the CLI alike (one parser each for sizes and for
+durations): a value parses whole or fails with a message that shows a valid one. A lenient parser
+once read ``kvstore gc --max-bytes 12,5GB`` as 12 bytes and would have deleted nearly everything.
 
 Conventions: sizes print in binary units (KiB, MiB, ... as the configuration accepts them);
 throughputs are decimal (GB/s = 1e9 bytes per second, MB/s = 1e6), as storage bandwidth is quoted.
@@ -13,17 +16,33 @@ from __future__ import annotations
 
 import math
 import re
-
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from decimal import Decimal
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MB, GB = 1e6, 1e9
 
 _BINARY_PREFIXES = ("", "Ki", "Mi", "Gi", "Ti")
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"  # 12, 12.5, .5: no sign, exponent, comma or underscore
+_SIZE_TEXT = re.compile(rf"\s*(-?)\s*({_NUMBER})\s*([A-Za-z]*)\s*")
+# Units as pydantic's ByteSize (which the configuration used before) reads them, case-insensitively.
+_SIZE_UNITS = {"": 1, "b": 1} | {
+    unit: scale
+    for power, letter in enumerate("kmgtpe", start=1)
+    for unit, scale in ((letter, 1000**power), (f"{letter}b", 1000**power), (f"{letter}ib", 1024**power))
+}
+_SIZE_EXAMPLES = "e.g. 500GiB, 12.5GB or 1048576 (bytes)"
+_DURATION_UNITS = {
+    **dict.fromkeys(("ms", "msec", "millisecond", "milliseconds"), 0.001),
+    **dict.fromkeys(("", "s", "sec", "secs", "second", "seconds"), 1),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600),
+    **dict.fromkeys(("d", "day", "days"), 86400),
+    **dict.fromkeys(("w", "week", "weeks"), 7 * 86400),
+}
+_DURATION_PART = re.compile(rf"\s*({_NUMBER})\s*([a-z]*)\s*")
+_DURATION_EXAMPLES = "e.g. 90s, 500ms, 10m, 10 minutes, 12h, 1h30m or 7d (a bare number is seconds)"
+_SHOWN_CHARS = 60  # an error quotes at most this much of the text it rejects
 _AGE_STEPS = ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600))  # below the limit, in this unit
-_SIZE_ADAPTER: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
 
 def _binary_scale(size: float) -> tuple[float, str]:
@@ -65,24 +84,90 @@ def human_age(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
-def parse_size(text: str) -> int:
-    """Bytes in a size as the configuration takes it: '500GiB', '2TB', '1048576'.
+def clip(text: str, limit: int = _SHOWN_CHARS) -> str:
+    """``text`` cut to about ``limit`` characters: an error message never quotes a megabyte back."""
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text):,} characters)"
 
-    Raises :class:`ValueError` naming the text and showing the forms that work.
+
+def shown(value: object, limit: int = _SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, clipped (:func:`clip`)."""
+    return clip(repr(value), limit)
+
+
+def _plain_number(value: object, what: str, examples: str) -> float | None:
+    """A number given as a number (TOML, JSON, Python): finite and not a bool; None for text."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{shown(value)} is not {what}; write {examples}")
+    if not math.isfinite(value):
+        raise ValueError(f"{value} is not {what}: it must be finite; write {examples}")
+    return float(value)
+
+
+def parse_size(value: str | int | float, minimum: int = 0, why: str = "a size cannot be negative") -> int:
+    """Bytes in a size as the configuration and the CLI take it: '500GiB', '12.5GB', '5 MB', '1048576'.
+
+    Units are case-insensitive: B; K/KB, M/MB, G/GB, T/TB, P/PB, E/EB (powers of 1000); KiB, MiB,
+    GiB, TiB, PiB, EiB (powers of 1024). A decimal point is fine (a fraction of a byte is dropped);
+    a comma, an exponent, a sign or an unknown unit is not. A number (not text) is bytes and must
+    be whole. A result below ``minimum`` fails with ``why``.
+
+    Raises :class:`ValueError` quoting (at most the start of) the text and showing a valid value.
     """
-    try:
-        return int(_SIZE_ADAPTER.validate_python(text))
-    except ValidationError:
-        raise ValueError(f"{text!r} is not a size; write e.g. 500GiB, 2TB or 1048576") from None
+    number = _plain_number(value, "a size", _SIZE_EXAMPLES)
+    if number is not None:
+        if number != int(number):
+            raise ValueError(f"{value} is not a whole number of bytes; write {_SIZE_EXAMPLES}")
+        size = int(number)
+    else:
+        size = _parse_size_text(str(value))
+    if size < minimum:
+        raise ValueError(f"{shown(value)} is too small: {why}; write {_SIZE_EXAMPLES}")
+    return size
 
 
-def parse_duration(text: str) -> float:
-    """Seconds in '90s', '30m', '12h', '7d', '2w', '1d12h', or plain seconds ('3600').
+def _parse_size_text(text: str) -> int:
+    """The signed size ``text`` spells (a sign is parsed so that the caller can say why it is wrong)."""
+    match = _SIZE_TEXT.fullmatch(text)
+    if match is None:
+        hint = "write the decimal point as '.', with no thousands separator; " if "," in text else ""
+        hint += "write 1000 or 1KB rather than an exponent; " if re.search(r"\d[eE][-+]?\d", text) else ""
+        problem = "an empty size" if not text.strip() else f"{shown(text)} is not a size"
+        raise ValueError(f"{problem}: {hint or 'a number and an optional unit, '}{_SIZE_EXAMPLES}")
+    sign, number, unit = match.groups()
+    scale = _SIZE_UNITS.get(unit.lower())
+    if scale is None:
+        raise ValueError(
+            f"{shown(text)} has an unknown unit {shown(unit)}: use B, KB, MB, GB, TB, PB (powers of 1000) "
+            f"or KiB, MiB, GiB, TiB, PiB (powers of 1024), {_SIZE_EXAMPLES}"
+        )
+    size = int(Decimal(number) * scale)
+    return -size if sign else size
 
-    Raises :class:`ValueError` naming the text and showing the forms that work.
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds in a duration as the configuration and the CLI take it: '90s', '500ms', '10m', '10 minutes',
+    '12h', '7d', '2w', '1h30m', '1.5h', or a bare number of seconds ('3600', or a number given as one).
+
+    Units: ms, s, m (minutes), h, d, w, and their words (sec, min, minutes, hours, days, ...). A
+    bare number stands alone; a sign, an exponent, an unknown unit, or 'inf' fail.
+
+    Raises :class:`ValueError` quoting (at most the start of) the text and showing a valid value.
     """
-    cleaned = text.strip().lower()
-    parts = _DURATION_PART.findall(cleaned)
-    if not parts or _DURATION_PART.sub("", cleaned).strip():
-        raise ValueError(f"{text!r} is not a duration; write e.g. 90s, 30m, 12h, 7d or 1d12h")
-    return sum(float(number) * _DURATION_UNITS[unit or "s"] for number, unit in parts)
+    number = _plain_number(value, "a duration", _DURATION_EXAMPLES)
+    if number is not None:
+        if number < 0:
+            raise ValueError(f"{value} is negative: a duration is 0 or more; write {_DURATION_EXAMPLES}")
+        return number
+    text = str(value).lower()
+    parts = [match.groups() for match in _DURATION_PART.finditer(text)]
+    if not text.strip() or "".join(m.group(0) for m in _DURATION_PART.finditer(text)) != text:
+        problem = "an empty duration" if not text.strip() else f"{shown(value)} is not a duration"
+        hint = " (a duration cannot be negative)" if text.strip().startswith("-") else ""
+        raise ValueError(f"{problem}{hint}: write {_DURATION_EXAMPLES}")
+    unknown = [unit for _, unit in parts if unit not in _DURATION_UNITS]
+    if unknown or (len(parts) > 1 and any(not unit for _, unit in parts)):
+        what = f"an unknown unit {shown(unknown[0])}" if unknown else "a number without a unit"
+        raise ValueError(f"{shown(value)} has {what}: write {_DURATION_EXAMPLES}")
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
