@@ -754,11 +754,9 @@ CORRUPTIONS = [
     "empty",
     "trailing_garbage",
     "garbage",
-    "layout_same_size",
-    "layout_float16",
-    "layout_other_size",
     "other_key",
 ]
+FOREIGN_LAYOUTS = ["layout_same_size", "layout_float16", "layout_other_size"]
 
 
 @pytest.mark.parametrize("codec", ["identity", "zstd", "bytesplit"])
@@ -785,6 +783,27 @@ async def test_a_damaged_or_foreign_chunk_is_a_counted_miss_and_removed(disk: Di
     await write_chunk(tier, key, chunk_view(chunk))
     assert await read_chunk(tier, key, memoryview(out)) is True
     assert bytes(out) == chunk_view(chunk).tobytes()
+
+
+@pytest.mark.parametrize("codec", ["identity", "bytesplit"])
+@pytest.mark.parametrize("kind", FOREIGN_LAYOUTS)
+async def test_a_chunk_written_for_another_layout_is_a_foreign_miss_left_for_its_owner(
+    disk: DiskBackend, codec: str, kind: str
+):
+    """A sound chunk of another model sharing the directory is not damage: counted foreign, kept, its bytes intact."""
+    tier = make_tier(disk, codec)
+    key = hexkey("victim")
+    await write_chunk(tier, key, chunk_view(make_chunk(3)))
+    await _corrupt(kind, disk, codec, key)
+    owned = disk.path_for(key).read_bytes()
+
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await read_chunk(tier, key, memoryview(out)) is False
+    readers = await tier.open_layers_many([key])  # a layer stream opening it: the same verdict
+    assert readers == [None]
+    assert tier.stats.foreign == 2
+    assert tier.stats.corrupt == 0 and tier.stats.hits == 0 and tier.stats.errors == 0
+    assert disk.path_for(key).read_bytes() == owned, "another layout's chunk is left for its owner"
 
 
 @pytest.mark.parametrize("codec", CODECS)

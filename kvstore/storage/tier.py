@@ -3,7 +3,8 @@
 The tier owns the chunk container: it encodes on the way down and checks every byte on the
 way up. Whatever goes wrong below it (a missing object, a corrupt or foreign one, an I/O
 error) comes out as a counted miss, never as an exception into the engine and never as
-wrong KV. A corrupt object is deleted so it is not read again.
+wrong KV. A corrupt object is deleted so it is not read again; a foreign one (another layout,
+encryption key or codec: sound, but not this store's to read) is left for its owner.
 
 Batches go through the backend's hooks (:meth:`~kvstore.backends.base.Backend.write_many`,
 ``read_many``, ``open_many``) with the tier's per-chunk work as callables, in both the forms a
@@ -134,8 +135,9 @@ class ChunkTier:
     async def account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
         """Count one read's outcome (bytes read, None for absent, or what it raised); True for a hit.
 
-        A corrupt object is removed so it is not read again; a foreign one (sealed under another
-        encryption key, or plain where this store encrypts) is left alone. A cancellation is
+        A corrupt object is removed so it is not read again; a foreign one (written for another
+        model layout, sealed under another encryption key, plain where this store encrypts, or
+        in a codec this process lacks) is left alone for its owner. A cancellation is
         re-raised, never counted.
         """
         if isinstance(outcome, ForeignChunkError):
