@@ -22,6 +22,7 @@ from kvstore.backends.base import Backend
 from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
 from kvstore.codecs import make_codec
 from kvstore.engine.dram import SlabPool
+from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.storage.container import encode_chunk, header_size
 from kvstore.storage.tier import ChunkTier
@@ -210,6 +211,26 @@ async def test_directories_are_private_even_without_open(tmp_path: Path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     for directory in (root, path.parent.parent.parent, path.parent.parent, path.parent):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+
+async def test_every_directory_kvstore_creates_is_private_and_existing_ones_keep_their_mode(tmp_path: Path):
+    tmp_path.chmod(0o755)  # existing: never changed
+    root = tmp_path / "made" / "by" / "kvstore"
+    backend = await open_backend(root)
+    await backend.set(hexkey("p"), [b"kv"])
+    for directory in (tmp_path / "made", tmp_path / "made" / "by", root):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("where", ["root", "parent"])
+async def test_disk_path_on_a_file_is_a_config_error_naming_disk_path(tmp_path: Path, where: str):
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_bytes(b"x")
+    root = a_file if where == "root" else a_file / "disk"
+    with pytest.raises(ConfigError, match=r"disk\.path .*is a file; set disk\.path to a directory"):
+        await open_backend(root)
+    assert a_file.read_bytes() == b"x"
 
 
 @pytest.mark.parametrize(

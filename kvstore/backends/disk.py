@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvstore.backends.base import Backend, ByteRange, ObjectRead, ObjectWrite, Outcomes, byte_length, each_caught
-from kvstore.backends.files import FileReader, unlink_quietly, walk_files, write_fully
+from kvstore.backends.files import FileReader, make_private_dirs, unlink_quietly, walk_files, write_fully
 from kvstore.backends.maintenance import LIST_PAGE, RemoveReport, StoredObject, pages
+from kvstore.errors import ConfigError
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 from kvstore.util.threads import in_thread
@@ -104,7 +105,13 @@ class DiskBackend(Backend):
 
     def _scan(self) -> None:
         """Rebuild the LRU index from the files present, oldest first; sweep stale temporaries."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            make_private_dirs(self.root)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise ConfigError(
+                f"disk.path {self.root} cannot be a directory: {exc.filename} is a file; "
+                "set disk.path to a directory (kvstore creates it, 0700, if missing)"
+            ) from None
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for namespace, path, stat in walk_files(self.root):
@@ -262,10 +269,7 @@ class DiskBackend(Backend):
         try:
             return os.open(temporary, flags, 0o600)
         except FileNotFoundError:  # first write in this shard, or the directory was removed under us
-            shard = Path(temporary).parent
-            # Each level 0700: mkdir(parents=True) would create root/ab with the default 0755.
-            for directory in (self.root, shard.parent.parent, shard.parent, shard):
-                directory.mkdir(mode=0o700, parents=directory == self.root, exist_ok=True)
+            make_private_dirs(Path(temporary).parent)  # each level it creates 0700
             return os.open(temporary, flags, 0o600)
 
     async def delete(self, key: str) -> None:
