@@ -293,20 +293,37 @@ class ChunkTier:
         One round trip instead of two before the first layer (a range past the end is clipped;
         the slack covers a sealed or incompressible segment's few extra bytes).
         """
-        head = await self.backend.get(key, (0, self._header_guess + self.layout.layer_nbytes + 4096))
-        if head is None:
+        sized = await self.backend.get_sized(key, (0, self._header_guess + self.layout.layer_nbytes + 4096))
+        if sized is None:
             return None
+        head, size = sized
         needed = header_length(head)
         if needed > len(head):
             head = await self.backend.get(key, (0, needed))
             if head is None:
                 return None
         header = parse_header(memoryview(head)[:needed], self.layout, key, self.cipher)
+        await self._check_length(key, header, size)
         first = header.segments[0]
         start = header.header_len + first.offset
         if start + first.stored_len > len(head):
             return header, None, None
         return header, None, memoryview(head)[start : start + first.stored_len]
+
+    async def _check_length(self, key: ChunkKey, header: ChunkHeader, size: int | None) -> None:
+        """Raise ChunkFormatError unless the object is as long as its header says.
+
+        A stream reads only the segments the header points at, so bytes appended to an object
+        (or a tail cut off) would otherwise go unnoticed until, or past, the last layer. ``size``
+        is the object's size where the backend's request told it; else one small range read
+        across the header's end must find exactly one byte before it.
+        """
+        total = header.total_len
+        if size is None:
+            tail = await self.backend.get(key, (total - 1, total + 1))
+            size = None if tail is None else total - 1 + len(tail)
+        if size != total:
+            raise ChunkFormatError(f"object is {size} bytes, header says {total}")
 
     # -- the rest ------------------------------------------------------------------------------------
 
