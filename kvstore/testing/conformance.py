@@ -131,6 +131,16 @@ CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
+async def planted(case: BackendCase, tier: ChunkTier, seed: int, corruption: str) -> str:
+    """Write chunk ``seed`` through ``tier``, then spoil its stored object with ``corruption``, past the backend."""
+    (key,) = keys_for(1, seed=seed)
+    await write_chunk(tier, key, view(chunk(seed)))
+    stored = case.raw_get(key)
+    assert stored is not None
+    case.raw_put(key, CORRUPTIONS[corruption](stored))
+    return key
+
+
 class BackendTests:
     """The suite; subclass it with a ``case`` fixture (see the module docstring). Not collected itself."""
 
@@ -300,11 +310,7 @@ class BackendTests:
         self, case: BackendCase, backend: Backend, executor: ThreadPoolExecutor, corruption: str, codec: str
     ) -> None:
         tier = tier_on(backend, executor, codec)
-        (key,) = keys_for(1, seed=11)
-        await write_chunk(tier, key, view(chunk(11)))
-        stored = case.raw_get(key)
-        assert stored is not None
-        case.raw_put(key, CORRUPTIONS[corruption](stored))
+        key = await planted(case, tier, 11, corruption)
         out = empty_out()
         assert not await read_chunk(tier, key, view(out))
         assert tier.stats.corrupt == 1 and tier.stats.hits == 0
@@ -318,11 +324,7 @@ class BackendTests:
         self, case: BackendCase, backend: Backend, executor: ThreadPoolExecutor
     ) -> None:
         tier = tier_on(backend, executor)
-        (key,) = keys_for(1, seed=12)
-        await write_chunk(tier, key, view(chunk(12)))
-        stored = case.raw_get(key)
-        assert stored is not None
-        case.raw_put(key, CORRUPTIONS["last-byte"](stored))
+        key = await planted(case, tier, 12, "last-byte")
         out = torch.empty(LAYOUT.layer_shape, dtype=LAYOUT.dtype)
         assert await read_layer(tier, key, 0, view(out))  # layer 0 is intact and checks out alone
         assert not await read_layer(tier, key, LAYOUT.num_layers - 1, view(out))
@@ -335,11 +337,7 @@ class BackendTests:
     ) -> None:
         """The object's length is checked against its header when a stream opens it: counted corrupt, removed."""
         tier = tier_on(backend, executor)
-        (key,) = keys_for(1, seed=16)
-        await write_chunk(tier, key, view(chunk(16)))
-        stored = case.raw_get(key)
-        assert stored is not None
-        case.raw_put(key, CORRUPTIONS[corruption](stored))
+        key = await planted(case, tier, 16, corruption)
         assert await tier.open_layers_many([key]) == [None]
         assert tier.stats.corrupt == 1 and tier.stats.hits == 0
         assert case.raw_get(key) is None, "a corrupt object is removed so it is not read again"
