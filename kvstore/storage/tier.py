@@ -303,15 +303,16 @@ class ChunkTier:
             if head is None:
                 return None
         header = parse_header(memoryview(head)[:needed], self.layout, key, self.cipher)
-        await self._check_length(key, header, size)
+        if not await self._check_length(key, header, size):
+            return None
         first = header.segments[0]
         start = header.header_len + first.offset
         if start + first.stored_len > len(head):
             return header, None, None
         return header, None, memoryview(head)[start : start + first.stored_len]
 
-    async def _check_length(self, key: ChunkKey, header: ChunkHeader, size: int | None) -> None:
-        """Raise ChunkFormatError unless the object is as long as its header says.
+    async def _check_length(self, key: ChunkKey, header: ChunkHeader, size: int | None) -> bool:
+        """True if the object is as long as its header says; False if it vanished meanwhile, else ChunkFormatError.
 
         A stream reads only the segments the header points at, so bytes appended to an object
         (or a tail cut off) would otherwise go unnoticed until, or past, the last layer. ``size``
@@ -321,9 +322,12 @@ class ChunkTier:
         total = header.total_len
         if size is None:
             tail = await self.backend.get(key, (total - 1, total + 1))
-            size = None if tail is None else total - 1 + len(tail)
+            if tail is None:
+                return False
+            size = total - 1 + len(tail)
         if size != total:
             raise ChunkFormatError(f"object is {size} bytes, header says {total}")
+        return True
 
     # -- the rest ------------------------------------------------------------------------------------
 
