@@ -22,6 +22,7 @@ from kvstore.backends.base import Backend
 from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
 from kvstore.codecs import make_codec
 from kvstore.engine.dram import SlabPool
+from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.storage.container import encode_chunk, header_size
 from kvstore.storage.tier import ChunkTier
@@ -212,6 +213,26 @@ async def test_directories_are_private_even_without_open(tmp_path: Path):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
 
+async def test_every_directory_kvstore_creates_is_private_and_existing_ones_keep_their_mode(tmp_path: Path):
+    tmp_path.chmod(0o755)  # existing: never changed
+    root = tmp_path / "made" / "by" / "kvstore"
+    backend = await open_backend(root)
+    await backend.set(hexkey("p"), [b"kv"])
+    for directory in (tmp_path / "made", tmp_path / "made" / "by", root):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("where", ["root", "parent"])
+async def test_disk_path_on_a_file_is_a_config_error_naming_disk_path(tmp_path: Path, where: str):
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_bytes(b"x")
+    root = a_file if where == "root" else a_file / "disk"
+    with pytest.raises(ConfigError, match=r"disk\.path .*is a file; set disk\.path to a directory"):
+        await open_backend(root)
+    assert a_file.read_bytes() == b"x"
+
+
 @pytest.mark.parametrize(
     "bad", ["../etc", "../../../../tmp/x", "ABCDEF0123", "abc", "", "0123456789abcdeg", "/etc/passwd", "a" * 129]
 )
@@ -261,14 +282,11 @@ async def test_a_failed_write_leaves_no_temporary_and_keeps_the_old_file(disk: D
     monkeypatch.setattr("kvstore.backends.disk.write_fully", broken_write)
     with pytest.raises(OSError) as info:
         await disk.set(key, [b"new contents that never land"])
-    assert info.value.errno == errno.ENOSPC
-    with pytest.raises(OSError):
-        await disk.set(hexkey("b"), [b"fresh"])
+    assert info.value.errno == errno.ENOSPC  # a write never evicts its own key's current copy to make room
     monkeypatch.undo()
 
     assert temporaries_under(disk.root) == []
     assert await disk.get(key) == b"old contents"
-    assert await disk.get(hexkey("b")) is None
     assert disk.stats()["bytes_used"] == len(b"old contents")
 
 
@@ -363,6 +381,131 @@ async def test_an_object_larger_than_the_capacity_is_refused(tmp_path: Path):
     # nothing was evicted to make room for it
     assert await backend.get(hexkey("small")) == b"s" * 500
     assert backend.stats()["evictions"] == 0
+
+
+def bytes_on_disk_per_key(root: Path) -> int:
+    """Bytes of chunk files and temporaries under ``root``, each key counted once.
+
+    (A temporary renamed into place while the directory is listed could show under both names.)
+    """
+    sizes: dict[str, int] = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            try:
+                size = os.stat(os.path.join(directory, name)).st_size
+            except FileNotFoundError:
+                continue
+            key = name.partition(".")[0]
+            sizes[key] = max(size, sizes.get(key, 0))
+    return sum(sizes.values())
+
+
+async def test_concurrent_writes_never_take_the_directory_past_the_budget(tmp_path: Path, monkeypatch):
+    """Each write reserves its bytes before writing: even with 8 writers at once, temporaries included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kvstore.backends.disk as disk_module
+
+    size, files = 64 << 10, 3
+    capacity = size * files
+    seen: list[int] = []
+    real_write = disk_module.write_fully
+
+    def write_and_measure(fd, views):
+        real_write(fd, views)
+        with backend._budget.lock:  # no eviction or reservation moves while the directory is measured
+            seen.append(bytes_on_disk_per_key(backend.root))
+
+    monkeypatch.setattr(disk_module, "write_fully", write_and_measure)
+    with ThreadPoolExecutor(8) as pool:
+        backend = await open_backend(tmp_path / "disk", capacity=capacity, executor=pool)
+
+        async def one(i: int) -> None:
+            await backend.set(hexkey(i), [os.urandom(size)])
+            seen.append(bytes_on_disk_per_key(backend.root))
+
+        await asyncio.gather(*(one(i) for i in range(40)))
+    assert len(seen) == 80
+    assert max(seen) <= capacity, f"the directory held {max(seen)} bytes, the budget is {capacity}"
+    stats = backend.stats()
+    assert stats["files"] == files and stats["bytes_used"] == capacity == bytes_on_disk_per_key(backend.root)
+    assert temporaries_under(backend.root) == []
+
+
+async def test_enospc_evicts_the_oldest_and_retries_once(tmp_path: Path, monkeypatch, caplog):
+    """An injected ENOSPC at the one call that writes file bytes (the errno path; a real full file system below)."""
+    import kvstore.backends.disk as disk_module
+
+    backend = await open_backend(tmp_path / "disk", capacity=1 << 20)
+    a, b, c, d = (hexkey(n) for n in "abcd")
+    for key in (a, b, c):
+        await backend.set(key, [os.urandom(1000)])
+    real_write, failures = disk_module.write_fully, [1]
+
+    def full_once(fd, views):
+        if failures:
+            failures.pop()
+            os.write(fd, b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, views)
+
+    monkeypatch.setattr(disk_module, "write_fully", full_once)
+    await backend.set(d, [b"d" * 1000])
+    assert await backend.get(d) == b"d" * 1000
+    assert not backend.path_for(a).exists(), "the least recently used file made room"
+    assert backend.path_for(b).exists() and backend.path_for(c).exists()
+    assert temporaries_under(backend.root) == []
+    stats = backend.stats()
+    assert stats["disk_full"] == 1 and stats["evictions"] == 1 and stats["bytes_used"] == 3000
+    assert "file system is full" in caplog.text
+
+
+@pytest.fixture
+def small_file_system(tmp_path: Path):
+    """A real 2 MiB tmpfs (needs root, as CI may not have it: skipped then)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+async def test_a_full_file_system_is_answered_by_eviction(small_file_system: Path):
+    """A budget above the free space: every write still lands, the oldest chunks making room."""
+    backend = await open_backend(small_file_system / "disk", capacity=1 << 30)
+    size = 256 << 10
+    for i in range(24):  # 6 MiB through a 2 MiB file system
+        await backend.set(hexkey(i), [os.urandom(size)])
+    assert await backend.get(hexkey(23)) is not None
+    assert not backend.path_for(hexkey(0)).exists()
+    stats = backend.stats()
+    assert stats["disk_full"] > 0 and stats["evictions"] > 0
+    assert stats["bytes_used"] == bytes_on_disk_per_key(backend.root) == stats["files"] * size
+    assert temporaries_under(backend.root) == []
+
+
+async def test_opening_a_small_budget_leaves_other_namespaces_alone(tmp_path: Path, caplog):
+    """Two models share one directory: each store's budget covers its own namespace only."""
+    root = tmp_path / "disk"
+    model_a = await open_backend(root, namespace="model-a")
+    theirs = {hexkey(f"a{i}"): os.urandom(1000) for i in range(4)}
+    for key, data in theirs.items():
+        await model_a.set(key, [data])
+    await model_a.close()
+
+    caplog.set_level("INFO", logger="kvstore.disk")
+    model_b = await open_backend(root, capacity=1500, namespace="model-b")
+    assert "4 chunk files (0.0 MiB) of other namespaces, outside this store's budget: left alone" in caplog.text
+    for i in range(3):
+        await model_b.set(hexkey(f"b{i}"), [os.urandom(1000)])
+    assert model_b.stats()["bytes_used"] == 1000 and model_b.stats()["files"] == 1
+    assert model_b.path_for(hexkey("b2")).exists() and not model_b.path_for(hexkey("b0")).exists()
+    for key, data in theirs.items():
+        assert (root / "model-a" / key[:2] / key[2:4] / f"{key}.kvc").read_bytes() == data
 
 
 # == DiskBackend: restarts =====================================================================
@@ -754,11 +897,9 @@ CORRUPTIONS = [
     "empty",
     "trailing_garbage",
     "garbage",
-    "layout_same_size",
-    "layout_float16",
-    "layout_other_size",
     "other_key",
 ]
+FOREIGN_LAYOUTS = ["layout_same_size", "layout_float16", "layout_other_size"]
 
 
 @pytest.mark.parametrize("codec", ["identity", "zstd", "bytesplit"])
@@ -785,6 +926,27 @@ async def test_a_damaged_or_foreign_chunk_is_a_counted_miss_and_removed(disk: Di
     await write_chunk(tier, key, chunk_view(chunk))
     assert await read_chunk(tier, key, memoryview(out)) is True
     assert bytes(out) == chunk_view(chunk).tobytes()
+
+
+@pytest.mark.parametrize("codec", ["identity", "bytesplit"])
+@pytest.mark.parametrize("kind", FOREIGN_LAYOUTS)
+async def test_a_chunk_written_for_another_layout_is_a_foreign_miss_left_for_its_owner(
+    disk: DiskBackend, codec: str, kind: str
+):
+    """A sound chunk of another model sharing the directory is not damage: counted foreign, kept, its bytes intact."""
+    tier = make_tier(disk, codec)
+    key = hexkey("victim")
+    await write_chunk(tier, key, chunk_view(make_chunk(3)))
+    await _corrupt(kind, disk, codec, key)
+    owned = disk.path_for(key).read_bytes()
+
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await read_chunk(tier, key, memoryview(out)) is False
+    readers = await tier.open_layers_many([key])  # a layer stream opening it: the same verdict
+    assert readers == [None]
+    assert tier.stats.foreign == 2
+    assert tier.stats.corrupt == 0 and tier.stats.hits == 0 and tier.stats.errors == 0
+    assert disk.path_for(key).read_bytes() == owned, "another layout's chunk is left for its owner"
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -302,10 +302,10 @@ def test_header_checksum_covers_the_codec_name_and_segment_table():
 @pytest.mark.parametrize("name", ["identity", "bytesplit"])
 def test_a_foreign_layout_is_never_decoded(other, name):
     data = CONTAINERS[name]
-    with pytest.raises(ChunkFormatError, match="another model layout"):
+    with pytest.raises(ForeignChunkError, match="another model layout"):  # foreign: left for its owner
         parse_header(data, other, KEY)
     out = bytearray(other.chunk_nbytes)
-    with pytest.raises(ChunkFormatError, match="another model layout"):
+    with pytest.raises(ForeignChunkError, match="another model layout"):
         decode_chunk(data, other, KEY, out)
 
 

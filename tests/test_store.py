@@ -296,7 +296,10 @@ async def test_a_chunk_for_another_layout_is_never_returned(tmp_path: Path) -> N
         await store.put(key, make_chunk(1, other))  # a foreign writer using our key's name
     async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
         assert await store.get(key) is None
-        assert store.stats()["disk"]["corrupt"] == 1
+        assert store.stats()["disk"]["foreign"] == 1 and store.stats()["disk"]["corrupt"] == 0
+    async with KVStore(config(tmp_path), other, namespace="test") as store:  # its owner still has it
+        got = await store.get(key)
+        assert got is not None and torch.equal(got, make_chunk(1, other))
 
 
 def test_sync_facade_from_an_engine_thread(tmp_path: Path) -> None:

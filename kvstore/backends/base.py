@@ -123,6 +123,20 @@ class Backend(Maintenance, ABC):
         None only when the object is absent.
         """
 
+    async def get_sized(self, key: str, byte_range: ByteRange) -> tuple[bytes, int | None] | None:
+        """:meth:`get` of a non-empty ``byte_range``, with the object's whole size when this request tells it.
+
+        The size lets a reader check an object's length against its header from the request that
+        brings the header (a layer stream opens chunks this way). None as the size means this
+        request cannot tell: the caller checks the end itself. Default: the size only when the
+        range was clipped at the object's end; Redis and S3 answer it from the same round trip.
+        """
+        data = await self.get(key, byte_range)
+        if data is None:
+            return None
+        start, end = byte_range
+        return data, start + len(data) if 0 < len(data) < end - start else None
+
     async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
         """Read the object's leading bytes into ``buffers``, in order; the object's size, None if absent.
 

@@ -2,12 +2,18 @@
 
 - Files live at ``root/<namespace>/ab/cd/<key>.kvc``: the namespace directory
   (:func:`kvstore.keys.namespace_dir`) lets ``kvstore gc`` and ``ls`` work per model, and two
-  levels of 256 directories keep listings small. The byte budget covers every namespace.
+  levels of 256 directories keep listings small.
+- The byte budget covers this store's namespace only: another model's files in the same
+  directory are its own store's to keep or evict (or ``kvstore gc``'s), never this one's. They
+  are counted at start and named in the log, left alone.
 - A write goes to a private temporary name, then ``os.replace`` puts it in place: a reader,
   in this process or another one sharing the directory, sees a whole file or none.
 - Files are created 0600 and directories 0700: KV caches reveal prompts.
 - A byte budget is kept with an LRU index rebuilt by scanning at start, ordered by mtime;
-  a hit refreshes the file's mtime so the order survives restarts.
+  a hit refreshes the file's mtime so the order survives restarts. A write reserves its bytes
+  before it writes (evicting the least recently used files first), so concurrent writers never
+  take the directory past the budget; a write that meets a full file system (ENOSPC) evicts
+  its size in old files and tries once more.
 - Another process's files are found on the file system even when this index lacks them;
   files it deletes become misses here. The filesystem is the truth, the index a cache of it.
 """
@@ -19,9 +25,7 @@ import logging
 import os
 import re
 import secrets
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
@@ -38,8 +42,10 @@ from kvstore.backends.base import (
     byte_length,
     each_caught,
 )
-from kvstore.backends.files import FileReader, unlink_quietly, walk_files, write_fully
+from kvstore.backends.disk_budget import FileBudget
+from kvstore.backends.files import FileReader, make_private_dirs, unlink_quietly, walk_files, write_fully
 from kvstore.backends.maintenance import LIST_PAGE, RemoveReport, StoredObject, pages
+from kvstore.errors import ConfigError
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 from kvstore.util.threads import in_thread, in_thread_or_discard
@@ -84,11 +90,7 @@ class DiskBackend(Backend):
         self.capacity_bytes = int(capacity_bytes)
         self.fsync = fsync
         self._executor = executor
-        self._lock = threading.Lock()
-        # file path below root ("ns/ab/cd/key.kvc") -> size, least recent first; every namespace's files
-        self._index: OrderedDict[str, int] = OrderedDict()
-        self._used = 0
-        self.evictions = 0
+        self._budget = FileBudget(self._root_text, self.capacity_bytes)  # this namespace's files, LRU
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -112,9 +114,20 @@ class DiskBackend(Backend):
         await in_thread(self._executor, self._scan)
 
     def _scan(self) -> None:
-        """Rebuild the LRU index from the files present, oldest first; sweep stale temporaries."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        """Rebuild the LRU index from this namespace's files, oldest first; sweep stale temporaries.
+
+        Other namespaces' chunk files are counted for the log and left alone: they are outside
+        this store's budget (their own stores evict them; ``kvstore gc`` manages them all).
+        """
+        try:
+            make_private_dirs(self.root)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise ConfigError(
+                f"disk.path {self.root} cannot be a directory: {exc.filename} is a file; "
+                "set disk.path to a directory (kvstore creates it, 0700, if missing)"
+            ) from None
         found: list[tuple[float, str, int]] = []
+        others, others_bytes = 0, 0
         now = time.time()
         for namespace, path, stat in walk_files(self.root):
             name = path.name
@@ -122,20 +135,39 @@ class DiskBackend(Backend):
                 if now - stat.st_mtime > STALE_TMP_SECONDS:  # left by a writer (or a gc) that died
                     unlink_quietly(path)
                 continue
-            if name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
-                found.append((stat.st_mtime, self._relative(name[: -len(SUFFIX)], namespace), stat.st_size))
+            if not (name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)])):
+                continue
+            if namespace != self.namespace:
+                others, others_bytes = others + 1, others_bytes + stat.st_size
+                continue
+            found.append((stat.st_mtime, self._relative(name[: -len(SUFFIX)], namespace), stat.st_size))
         found.sort()
-        with self._lock:
-            self._index = OrderedDict((relative, size) for _, relative, size in found)
-            self._used = sum(size for _, _, size in found)
+        self._budget.load((relative, size) for _, relative, size in found)
         log.info(
-            "disk tier %s: %d chunk files, %.1f MiB, budget %.1f MiB",
+            "disk tier %s, namespace %s: %d chunk files, %.1f MiB, budget %.1f MiB",
             self.root,
+            self.namespace,
             len(found),
-            self._used / 2**20,
+            self._budget.used / 2**20,
             self.capacity_bytes / 2**20,
         )
-        self._evict_to(self.capacity_bytes, keep=None)
+        if others:
+            log.info(
+                "disk tier %s: %d chunk files (%.1f MiB) of other namespaces, outside this store's budget: left alone",
+                self.root,
+                others,
+                others_bytes / 2**20,
+            )
+        evictions = self._budget.evictions
+        freed = self._budget.evict_to_capacity(kept=None)
+        if freed:
+            log.info(
+                "disk tier %s: removed the %d oldest files of namespace %s (%.1f MiB) to meet disk.capacity",
+                self.root,
+                self._budget.evictions - evictions,
+                self.namespace,
+                freed / 2**20,
+            )
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -188,9 +220,8 @@ class DiskBackend(Backend):
 
     async def exists(self, key: str) -> bool:
         """True at once if this process knows the file, else one stat in a thread."""
-        with self._lock:
-            if self._relative(key) in self._index:
-                return True
+        if self._budget.holds(self._relative(key)):
+            return True
         return await in_thread(self._executor, self.contains, key)
 
     def contains(self, key: str) -> bool:
@@ -201,7 +232,7 @@ class DiskBackend(Backend):
             self._forget(key)
             return False
         self._remember(key, size)
-        self._evict_to(self.capacity_bytes, keep=key)  # it may be another process's file, new to our budget
+        self._budget.evict_to_capacity(kept=self._relative(key))  # it may be another process's file, new to us
         return True
 
     def keep(self, key: str) -> bool:
@@ -211,10 +242,7 @@ class DiskBackend(Backend):
         except FileNotFoundError:
             self._forget(key)
             return False
-        relative = self._relative(key)
-        with self._lock:
-            if relative in self._index:
-                self._index.move_to_end(relative)
+        self._budget.mark_used(self._relative(key))
         return True
 
     async def prefix_count(self, keys: Sequence[str]) -> int:
@@ -230,8 +258,7 @@ class DiskBackend(Backend):
 
     def holds(self, key: str) -> bool:
         """Whether this process has seen the file (no I/O, so a hint: another process may have removed it)."""
-        with self._lock:
-            return self._relative(key) in self._index
+        return self._budget.holds(self._relative(key))
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -240,16 +267,41 @@ class DiskBackend(Backend):
         await in_thread(self._executor, self.write, key, parts)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Write the concatenation of ``parts`` atomically.
+        """Write the concatenation of ``parts`` atomically, within the budget.
 
-        A private temporary file (0600) is filled, fsynced if configured, then renamed into
-        place, so readers in any process see the whole file or none; on failure it is removed.
+        Its bytes are reserved first (see :meth:`_reserve`) and released if it fails. A private
+        temporary file (0600) is filled, fsynced if configured, then renamed into place, so
+        readers in any process see the whole file or none; on failure it is removed. A full file
+        system (ENOSPC: other files, other namespaces, a budget above the free space) evicts this
+        write's size in least recently used files, and the write is tried once more.
         """
         views = [as_bytes_view(part) for part in parts]
         size = sum(len(view) for view in views)
         if size > self.capacity_bytes:
             raise OSError(errno.EFBIG, f"a {size}-byte chunk exceeds disk.capacity ({self.capacity_bytes} bytes)")
-        final = self._file(key)
+        final, relative = self._file(key), self._relative(key)
+        self._budget.reserve(size)
+        try:
+            try:
+                self._write_file(final, views)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                files, freed = self._budget.free_for_full_disk(size, kept=relative)  # never its own current copy
+                log.warning(
+                    "disk tier %s: the file system is full (ENOSPC); evicted %d files (%.1f MiB), trying once more",
+                    self.root,
+                    files,
+                    freed / 2**20,
+                )
+                self._write_file(final, views)
+        except BaseException:
+            self._budget.release(size)
+            raise
+        self._budget.commit(relative, size)
+
+    def _write_file(self, final: str, views: list[memoryview]) -> None:
+        """Fill a private temporary file and rename it to ``final``; the temporary is removed on failure."""
         temporary = f"{final}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
         fd = self._create(temporary)
         try:
@@ -263,18 +315,13 @@ class DiskBackend(Backend):
         except BaseException:
             unlink_quietly(temporary)
             raise
-        self._remember(key, size)
-        self._evict_to(self.capacity_bytes, keep=key)
 
     def _create(self, temporary: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             return os.open(temporary, flags, 0o600)
         except FileNotFoundError:  # first write in this shard, or the directory was removed under us
-            shard = Path(temporary).parent
-            # Each level 0700: mkdir(parents=True) would create root/ab with the default 0755.
-            for directory in (self.root, shard.parent.parent, shard.parent, shard):
-                directory.mkdir(mode=0o700, parents=directory == self.root, exist_ok=True)
+            make_private_dirs(Path(temporary).parent)  # each level it creates 0700
             return os.open(temporary, flags, 0o600)
 
     async def delete(self, key: str) -> None:
@@ -406,18 +453,13 @@ class DiskBackend(Backend):
                 report.errors.append(f"{path}: {exc.strerror}")
         return report
 
-    # -- index and budget --------------------------------------------------------------------
+    # -- index and budget (kept by FileBudget) --------------------------------------------------
 
     def _remember(self, key: str, size: int) -> None:
-        relative = self._relative(key)
-        with self._lock:
-            self._used += size - self._index.pop(relative, 0)
-            self._index[relative] = size
+        self._budget.remember(self._relative(key), size)
 
     def _forget(self, key: str) -> None:
-        relative = self._relative(key)
-        with self._lock:
-            self._used -= self._index.pop(relative, 0)
+        self._budget.forget(self._relative(key))
 
     def _touch(self, key: str, size: int | None, mtime: float | None) -> None:
         """Mark a hit: most recent in the index and, for the next start, in the file's mtime.
@@ -426,14 +468,8 @@ class DiskBackend(Backend):
         inode, and a hot chunk would otherwise cost a journal write per read.
         """
         relative = self._relative(key)
-        with self._lock:
-            if relative in self._index:
-                self._index.move_to_end(relative)
-            elif size is not None:
-                self._index[relative] = size
-                self._used += size
-        if size is not None:
-            self._evict_to(self.capacity_bytes, keep=key)  # no-op unless another process's file pushed us over
+        if self._budget.mark_used(relative, size):  # another process's file, new to our budget
+            self._budget.evict_to_capacity(kept=relative)
         if mtime is not None and time.time() - mtime < MTIME_REFRESH_SECONDS:
             return
         try:
@@ -441,24 +477,9 @@ class DiskBackend(Backend):
         except OSError:
             pass
 
-    def _evict_to(self, budget: int, keep: str | None) -> None:
-        kept = None if keep is None else self._relative(keep)
-        while True:
-            with self._lock:
-                if self._used <= budget:
-                    return
-                victim = next((k for k in self._index if k != kept), None)
-                if victim is None:
-                    return
-                self._used -= self._index.pop(victim)
-                self.evictions += 1
-            unlink_quietly(f"{self._root_text}/{victim}")
-
     def stats(self) -> dict[str, int | float | str]:
-        with self._lock:
-            return {
-                "files": len(self._index),
-                "bytes_used": self._used,
-                "capacity": self.capacity_bytes,
-                "evictions": self.evictions,
-            }
+        return self._budget.stats()
+
+    @property
+    def evictions(self) -> int:
+        return self._budget.evictions

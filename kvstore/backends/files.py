@@ -64,6 +64,22 @@ def walk_files(root: Path, namespaces: Callable[[str], bool] | None = None) -> l
     return found
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each 0700 (KV caches reveal prompts).
+
+    Only the directories created here get that mode; existing ones are left as they are.
+    (``Path.mkdir(parents=True)`` would give the parents the default mode, 0755 under the usual
+    umask.) A file in the way raises FileExistsError or NotADirectoryError.
+    """
+    missing = []
+    for directory in (path, *path.parents):
+        if directory.is_dir():
+            break
+        missing.append(directory)
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+
+
 def _scandir_quietly(directory: Path) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(directory) as entries:

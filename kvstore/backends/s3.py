@@ -185,19 +185,29 @@ class S3Backend(Backend):
 
     async def fetch(self, key: str, byte_range: ByteRange | None) -> bytes | None:
         """GetObject, with a Range header for a range (S3 clips it at the object's end)."""
+        got = await self._fetch_sized(key, byte_range)
+        return None if got is None else got[0]
+
+    async def get_sized(self, key: str, byte_range: ByteRange) -> tuple[bytes, int | None] | None:
+        """A ranged GetObject; the object's size is in its Content-Range (``bytes 0-99/1234``)."""
+        return await self._fetch_sized(key, byte_range)
+
+    async def _fetch_sized(self, key: str, byte_range: ByteRange | None) -> tuple[bytes, int | None] | None:
+        """The bytes, and the object's size as the response states it (None when it does not)."""
         async with self._limit:
             try:
                 response = await self._get_object(key, byte_range)
             except ClientError as exc:
                 if _code(exc) == "InvalidRange":  # the range starts past the end: like reading past EOF
-                    return b""
+                    return b"", None
                 raise
             if response is None:
                 return None
             async with response["Body"] as body:
                 data: bytes = await body.read()
         self.bytes_downloaded += len(data)
-        return data
+        total = response.get("ContentRange", "").rpartition("/")[2] if byte_range else str(len(data))
+        return data, int(total) if total.isdigit() else None
 
     async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
         """Stream the body straight into ``buffers``: one copy instead of two.

@@ -58,7 +58,10 @@ COUNTERS = {
     ("tier", "timeouts"): ("kvstore_tier_timeouts", "tier operations that ran past their configured timeout"),
     ("tier", "drops"): ("kvstore_tier_drops", "writes dropped: the tier's queue was full, or the store closed"),
     ("tier", "corrupt"): ("kvstore_tier_corrupt", "objects that failed their checks (removed; read as a miss)"),
-    ("tier", "foreign"): ("kvstore_tier_foreign", "valid objects this store cannot open (another encryption key)"),
+    ("tier", "foreign"): (
+        "kvstore_tier_foreign",
+        "valid objects this store cannot open (another layout, encryption key or codec; left in place)",
+    ),
     ("tier", "skipped"): ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
     ("adaptive", "decisions"): ("kvstore_auto_decisions", "sizing decisions auto mode made"),
     ("adaptive", "resizes"): ("kvstore_auto_resizes", "DRAM resizes auto mode made"),

@@ -231,11 +231,13 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCip
 
     A store with a cipher accepts only chunks sealed under its key; a store without one only
     plain chunks (else anyone who can write to the bucket could plant KV past the encryption).
+    A sound header written for another layout, codec or key is foreign (ForeignChunkError: left
+    for its owner); any other defect raises ChunkFormatError (corrupt).
     """
     view = as_bytes_view(data)
     fields = _checked_fields(view)
-    if fields.fingerprint != layout.fingerprint:
-        raise ChunkFormatError("chunk was written for another model layout")
+    if fields.fingerprint != layout.fingerprint:  # a sound chunk of another model sharing the store: its owner's
+        raise ForeignChunkError("chunk was written for another model layout")
     if fields.key != key_to_bytes(key):
         raise ChunkFormatError("chunk holds another key")
     if fields.num_layers != layout.num_layers or fields.token_count != layout.chunk_tokens:

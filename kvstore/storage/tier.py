@@ -3,7 +3,8 @@
 The tier owns the chunk container: it encodes on the way down and checks every byte on the
 way up. Whatever goes wrong below it (a missing object, a corrupt or foreign one, an I/O
 error) comes out as a counted miss, never as an exception into the engine and never as
-wrong KV. A corrupt object is deleted so it is not read again.
+wrong KV. A corrupt object is deleted so it is not read again; a foreign one (another layout,
+encryption key or codec: sound, but not this store's to read) is left for its owner.
 
 Batches go through the backend's hooks (:meth:`~kvstore.backends.base.Backend.write_many`,
 ``read_many``, ``open_many``) with the tier's per-chunk work as callables, in both the forms a
@@ -143,8 +144,9 @@ class ChunkTier:
     async def account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
         """Count one read's outcome (bytes read, None for absent, or what it raised); True for a hit.
 
-        A corrupt object is removed so it is not read again; a foreign one (sealed under another
-        encryption key, or plain where this store encrypts) is left alone. A cancellation is
+        A corrupt object is removed so it is not read again; a foreign one (written for another
+        model layout, sealed under another encryption key, plain where this store encrypts, or
+        in a codec this process lacks) is left alone for its owner. A cancellation is
         re-raised, never counted.
         """
         if isinstance(outcome, ForeignChunkError):
@@ -306,20 +308,41 @@ class ChunkTier:
         One round trip instead of two before the first layer (a range past the end is clipped;
         the slack covers a sealed or incompressible segment's few extra bytes).
         """
-        head = await self.backend.get(key, (0, self._header_guess + self.layout.layer_nbytes + 4096))
-        if head is None:
+        sized = await self.backend.get_sized(key, (0, self._header_guess + self.layout.layer_nbytes + 4096))
+        if sized is None:
             return None
+        head, size = sized
         needed = header_length(head)
         if needed > len(head):
             head = await self.backend.get(key, (0, needed))
             if head is None:
                 return None
         header = parse_header(memoryview(head)[:needed], self.layout, key, self.cipher)
+        if not await self._check_length(key, header, size):
+            return None
         first = header.segments[0]
         start = header.header_len + first.offset
         if start + first.stored_len > len(head):
             return header, None, None
         return header, None, memoryview(head)[start : start + first.stored_len]
+
+    async def _check_length(self, key: ChunkKey, header: ChunkHeader, size: int | None) -> bool:
+        """True if the object is as long as its header says; False if it vanished meanwhile, else ChunkFormatError.
+
+        A stream reads only the segments the header points at, so bytes appended to an object
+        (or a tail cut off) would otherwise go unnoticed until, or past, the last layer. ``size``
+        is the object's size where the backend's request told it; else one small range read
+        across the header's end must find exactly one byte before it.
+        """
+        total = header.total_len
+        if size is None:
+            tail = await self.backend.get(key, (total - 1, total + 1))
+            if tail is None:
+                return False
+            size = total - 1 + len(tail)
+        if size != total:
+            raise ChunkFormatError(f"object is {size} bytes, header says {total}")
+        return True
 
     # -- the rest ------------------------------------------------------------------------------------
 

@@ -127,7 +127,18 @@ CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
     "extended": lambda data: data + b"\0" * 16,
     "garbage": lambda data: os.urandom(len(data)),
     "tiny": lambda data: b"KVSTCHNK",
+    "empty": lambda data: b"",
 }
+
+
+async def planted(case: BackendCase, tier: ChunkTier, seed: int, corruption: str) -> str:
+    """Write chunk ``seed`` through ``tier``, then spoil its stored object with ``corruption``, past the backend."""
+    (key,) = keys_for(1, seed=seed)
+    await write_chunk(tier, key, view(chunk(seed)))
+    stored = case.raw_get(key)
+    assert stored is not None
+    case.raw_put(key, CORRUPTIONS[corruption](stored))
+    return key
 
 
 class BackendTests:
@@ -299,11 +310,7 @@ class BackendTests:
         self, case: BackendCase, backend: Backend, executor: ThreadPoolExecutor, corruption: str, codec: str
     ) -> None:
         tier = tier_on(backend, executor, codec)
-        (key,) = keys_for(1, seed=11)
-        await write_chunk(tier, key, view(chunk(11)))
-        stored = case.raw_get(key)
-        assert stored is not None
-        case.raw_put(key, CORRUPTIONS[corruption](stored))
+        key = await planted(case, tier, 11, corruption)
         out = empty_out()
         assert not await read_chunk(tier, key, view(out))
         assert tier.stats.corrupt == 1 and tier.stats.hits == 0
@@ -317,25 +324,39 @@ class BackendTests:
         self, case: BackendCase, backend: Backend, executor: ThreadPoolExecutor
     ) -> None:
         tier = tier_on(backend, executor)
-        (key,) = keys_for(1, seed=12)
-        await write_chunk(tier, key, view(chunk(12)))
-        stored = case.raw_get(key)
-        assert stored is not None
-        case.raw_put(key, CORRUPTIONS["last-byte"](stored))
+        key = await planted(case, tier, 12, "last-byte")
         out = torch.empty(LAYOUT.layer_shape, dtype=LAYOUT.dtype)
         assert await read_layer(tier, key, 0, view(out))  # layer 0 is intact and checks out alone
         assert not await read_layer(tier, key, LAYOUT.num_layers - 1, view(out))
         assert tier.stats.corrupt == 1
 
     @pytest.mark.asyncio
-    async def test_foreign_layout_is_never_returned(self, backend: Backend, executor: ThreadPoolExecutor) -> None:
-        """A chunk written for another model under the very key we look up: a miss, counted."""
+    @pytest.mark.parametrize("corruption", ["extended", "empty", "truncated"])
+    async def test_a_layer_stream_never_opens_an_object_of_the_wrong_length(
+        self, case: BackendCase, backend: Backend, executor: ThreadPoolExecutor, corruption: str
+    ) -> None:
+        """The object's length is checked against its header when a stream opens it: counted corrupt, removed."""
+        tier = tier_on(backend, executor)
+        key = await planted(case, tier, 16, corruption)
+        assert await tier.open_layers_many([key]) == [None]
+        assert tier.stats.corrupt == 1 and tier.stats.hits == 0
+        assert case.raw_get(key) is None, "a corrupt object is removed so it is not read again"
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("codec", ["identity", "bytesplit"])  # in-place receive, and decode paths
+    async def test_foreign_layout_is_a_foreign_miss_left_for_its_owner(
+        self, case: BackendCase, backend: Backend, executor: ThreadPoolExecutor, codec: str
+    ) -> None:
+        """A chunk written for another model under the very key we look up: a miss, counted foreign, kept."""
         (key,) = keys_for(1, seed=13)
         foreign = torch.randn(OTHER_LAYOUT.chunk_shape).to(OTHER_LAYOUT.dtype)
-        await write_chunk(tier_on(backend, executor, layout=OTHER_LAYOUT), key, view(foreign))
-        tier = tier_on(backend, executor)
+        await write_chunk(tier_on(backend, executor, codec, layout=OTHER_LAYOUT), key, view(foreign))
+        stored = case.raw_get(key)
+        tier = tier_on(backend, executor, codec)
         assert not await read_chunk(tier, key, view(empty_out()))
-        assert tier.stats.corrupt == 1 and tier.stats.hits == 0
+        assert not await read_layer(tier, key, 0, view(torch.empty(LAYOUT.layer_shape, dtype=LAYOUT.dtype)))
+        assert tier.stats.foreign == 2 and tier.stats.corrupt == 0 and tier.stats.hits == 0
+        assert case.raw_get(key) == stored, "another layout's chunk is not ours to delete"
 
     @pytest.mark.asyncio
     async def test_wrong_key_and_missing_encryption_are_foreign_misses(
