@@ -160,3 +160,18 @@ def test_a_misspelled_option_is_refused_with_its_name(primary):
         KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_confg={})
     with pytest.raises(ConfigError, match="dram.capcity"):
         KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config={"dram": {"capcity": "1GiB"}})
+    with pytest.raises(ConfigError, match=r"'kvstroe_config' for kvstore \(did you mean 'kvstore_config'\?\)"):
+        KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstroe_config={})
+
+
+def test_the_connector_refuses_every_key_it_and_vllm_do_not_define_with_the_closest_name():
+    """Issue 15 item 13: keys not starting with kvstore were ignored (the engine ran without its tiers)."""
+    from kvstore.connectors.vllm._common import read_options
+
+    for key in ("kv_store_config", "kvstroe_config", "store_config"):
+        with pytest.raises(ConfigError, match=rf"{key!r} for kvstore \(did you mean 'kvstore_config'\?\)"):
+            read_options({key: {}}, lambda: "ns")
+    with pytest.raises(ConfigError, match=r"unknown vLLM option 'colour' for kvstore; valid options are"):
+        read_options({"colour": 1}, lambda: "ns")
+    # vLLM's own key (written by --kv-offloading-backend) is not kvstore's to refuse.
+    assert read_options({"cpu_bytes_to_use": 1 << 30}, lambda: "ns").namespace == "ns"
