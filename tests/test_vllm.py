@@ -309,7 +309,7 @@ def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
     result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
     print(result.stdout[-2000:])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "9 passed" in result.stdout
+    assert "10 passed" in result.stdout
 
 
 # vLLM's offloading worker refuses the CPU platform; tests/vllm_support/cpu_offload_spec.py is a

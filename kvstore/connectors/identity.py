@@ -45,6 +45,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "hf_quant_config.json")
 BLOCK = 1 << 20
 CACHE_ENTRIES = 4096  # file digests remembered; the oldest are dropped first
+_DIGESTS: dict[str, str] = {}  # this process's: a scheduler and a worker side hash once even if the cache is unwritable
 
 
 def cache_path() -> Path:
@@ -95,12 +96,14 @@ def weights_fingerprint(path: str | os.PathLike[str]) -> str:
     except (OSError, ValueError):
         cached = {}
     files = {file: _stat_key(file) for file in _checkpoint_files(root)}
+    cached.update({key: _DIGESTS[key] for key in files.values() if key in _DIGESTS and key not in cached})
     new = [file for file, key in files.items() if key not in cached]
     if new:  # shards hashed in parallel: hashlib releases the GIL on large blocks
         with ThreadPoolExecutor(max_workers=min(len(new), os.cpu_count() or 1)) as pool:
             for file, digest in zip(new, pool.map(file_digest, new), strict=True):
                 cached[files[file]] = digest
         _write_cache(store, cached)
+    _DIGESTS.update({key: cached[key] for key in files.values()})
     total = hashlib.blake2b(digest_size=20)
     for file, key in files.items():
         total.update(f"{file.name}={cached[key]}\n".encode())

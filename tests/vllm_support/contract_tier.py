@@ -24,9 +24,9 @@ CHUNK_BYTES = LAYERS * 2 * TOKENS * WIDTH * 4
 ROWS = 6
 
 
-def spec(kv_cache_layout: str = "LBHNC") -> SimpleNamespace:
+def spec(kv_cache_layout: str = "LBHNC", model: str = "tiny") -> SimpleNamespace:
     config = SimpleNamespace(
-        model=SimpleNamespace(name="tiny", dtype="float32"),
+        model=SimpleNamespace(name=model, dtype="float32"),
         kv_cache_layout=kv_cache_layout,
         canonical_layout=False,
         groups=(SimpleNamespace(layer_names=("l0", "l1"), tokens_per_block=128, group_id=0),),
@@ -141,6 +141,26 @@ def test_another_namespace_or_block_layout_sees_none_of_the_chunks(primary, tmp_
     layout = other.get("kv_cache_layout", "LBHNC")
     options = {name: value for name, value in other.items() if name.startswith("kvstore")}
     second = KVStoreTier(spec(layout), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk}, **options)
+    try:
+        assert resolve(second, key(7)) is LookupResult.MISS
+    finally:
+        second.shutdown()
+
+
+def test_weights_swapped_at_the_models_path_see_none_of_the_chunks(primary, tmp_path, monkeypatch):
+    """Issue 15 item 4: the tier's default namespace names the weights' bytes, not only the path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"W1" * 1000)
+    disk = {"path": str(tmp_path / "disk")}
+    first = KVStoreTier(spec(model=str(model)), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk})
+    first.submit_store(job(1, [key(7)], [0], promotion=False))
+    finish(first)
+    first.shutdown()
+    (model / "model.safetensors").write_bytes(b"W2" * 1000)  # the same size, other values
+    second = KVStoreTier(spec(model=str(model)), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk})
     try:
         assert resolve(second, key(7)) is LookupResult.MISS
     finally:

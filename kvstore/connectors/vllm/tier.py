@@ -52,9 +52,12 @@ KNOWN_KEYS = 1 << 16  # lookup answers remembered (present / failed), oldest for
 def tier_namespace(model: str, kv_dtype: str) -> str:
     """``vllm-tier:<model>#id=<weights and settings>``: the tier's default namespace.
 
-    The offloading spec names only the model and its KV dtype; the engine's ``ModelConfig``
-    (quantization, rope scaling, overrides) is read from vLLM's current config when it is set
-    for this model, as it is while vLLM builds the scheduler.
+    The offloading spec names only the model and its KV dtype (the checkpoint's files, config.json
+    included, are hashed from the name). The engine's ``ModelConfig`` (runtime quantization,
+    ``--hf-overrides``, rope scaling given on the command line) is added when vLLM's current
+    config is set for this model; where it is not (vLLM 0.32 builds the scheduler outside
+    ``set_current_vllm_config``), an engine that overrides those at run time should set
+    ``kvstore_namespace``.
     """
     from vllm.config import get_current_vllm_config_or_none
 
