@@ -95,18 +95,23 @@ def weights_fingerprint(path: str | os.PathLike[str]) -> str:
         cached: dict[str, str] = json.loads(store.read_text())
     except (OSError, ValueError):
         cached = {}
+    if not isinstance(cached, dict):  # not ours, or damaged: start over
+        cached = {}
     files = {file: _stat_key(file) for file in _checkpoint_files(root)}
     cached.update({key: _DIGESTS[key] for key in files.values() if key in _DIGESTS and key not in cached})
     new = [file for file, key in files.items() if key not in cached]
+    digests = {key: cached[key] for key in files.values() if key in cached}
     if new:  # shards hashed in parallel: hashlib releases the GIL on large blocks
         with ThreadPoolExecutor(max_workers=min(len(new), os.cpu_count() or 1)) as pool:
             for file, digest in zip(new, pool.map(file_digest, new), strict=True):
-                cached[files[file]] = digest
+                digests[files[file]] = digest
+                if _stat_key(file) == files[file]:  # not rewritten while it was read: worth remembering
+                    cached[files[file]] = _DIGESTS[files[file]] = digest
         _write_cache(store, cached)
-    _DIGESTS.update({key: cached[key] for key in files.values()})
+    _DIGESTS.update({key: cached[key] for key in files.values() if key in cached})
     total = hashlib.blake2b(digest_size=20)
     for file, key in files.items():
-        total.update(f"{file.name}={cached[key]}\n".encode())
+        total.update(f"{file.name}={digests[key]}\n".encode())
     return total.hexdigest()
 
 
