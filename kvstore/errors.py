@@ -29,7 +29,15 @@ class StoreClosedError(KVStoreError, RuntimeError):
 
 
 class PrefetchError(KVStoreError, RuntimeError):
-    """A layer of a layer stream could not be loaded (and nor can any later one): recompute the prefix."""
+    """A layer of a layer stream could not be loaded (and nor can any later one): recompute the prefix.
+
+    ``chunk``: the index (in the stream's keys) of the first chunk that failed, when known; the
+    chunks before it were sound, so an engine may keep them and recompute from there.
+    """
+
+    def __init__(self, *args: object, chunk: int | None = None) -> None:
+        super().__init__(*args)
+        self.chunk = chunk
 
 
 class LayerTimeout(PrefetchError, TimeoutError):

@@ -4,7 +4,8 @@
     from kvstore.connectors.hf import HFConnector, layout_for_model
 
     layout = layout_for_model(model)         # the model's KV shape; its dtype, so reuse is lossless
-    with SyncKVStore(StoreConfig.load("kvstore.toml"), layout, namespace="smollm2-135m-instruct") as store:
+    namespace = namespace_for_model(model)   # the exact weights: hf:<path>#id=<weights and settings>
+    with SyncKVStore(StoreConfig.load("kvstore.toml"), layout, namespace=namespace) as store:
         connector = HFConnector(model, store)
         out = connector.generate(input_ids, max_new_tokens=32)   # model.generate, with prefix reuse
 
@@ -18,6 +19,8 @@ never wrong KV.
 
 The namespace must name the exact weights (and anything else that changes the KV): the layout
 fingerprint only tells shapes and dtypes apart, not two models that share them.
+:func:`namespace_for_model` derives one from the checkpoint's bytes and the model's config
+(:mod:`kvstore.connectors.identity`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "kvstore.connectors.hf needs Hugging Face transformers >= 5.0: pip install 'kvstore[hf]'"
     ) from exc
 
+from kvstore.connectors.identity import default_namespace
 from kvstore.engine.sync import SyncKVStore, SyncLayerStream
 from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
@@ -62,6 +66,26 @@ def layout_for_model(model: Any, *, dtype: torch.dtype | None = None, chunk_toke
         dtype=dtype or model.dtype,
         chunk_tokens=chunk_tokens,
     )
+
+
+def namespace_for_model(model: Any, *, revision: str | None = None) -> str:
+    """``hf:<name_or_path>#id=<identity>``: a namespace that changes whenever the model's KV would.
+
+    The identity hashes the checkpoint the model was loaded from (every weight byte, its
+    config.json; see :mod:`kvstore.connectors.identity` for the cost and its cache) and what
+    else changes the KV: the dtype the model runs in, its quantization, rope scaling and the
+    config it was loaded with (``from_pretrained`` overrides included). Pass the ``revision``
+    you loaded for a hub model.
+    """
+    config = model.config
+    name = getattr(model, "name_or_path", None) or config.name_or_path
+    if not name:
+        raise ValueError("the model has no name_or_path (not loaded by from_pretrained): pass the store a namespace")
+    settings = {
+        "dtype": str(model.dtype),
+        "config": config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict(),
+    }
+    return default_namespace("hf", str(name), settings, revision)
 
 
 class LoadedPrefix:

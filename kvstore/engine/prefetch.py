@@ -197,7 +197,9 @@ class LayerStream:
                 self._readers[index] = reader
             missing = [index for index in missing if self._readers[index] is None]
         if missing:
-            raise PrefetchError(f"chunk {missing[0]} ({self._keys[missing[0]][:16]}...) is in no tier")
+            raise PrefetchError(
+                f"chunk {missing[0]} ({self._keys[missing[0]][:16]}...) is in no tier", chunk=missing[0]
+            )
 
     async def _fetch(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` of every chunk, concatenated along the token axis."""
@@ -213,10 +215,12 @@ class LayerStream:
                 local.append((reader, target))
             else:
                 assert reader is not None
-                reads.append(self._read(reader, layer, target))
+                reads.append(self._read(reader, layer, target, index))
         if local:  # all file reads of this layer in one thread call: a thread hop costs ~0.1 ms here
             reads.append(self._read_local(local, layer))
-        await asyncio.gather(*reads)
+        errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
+        if errors:  # the first chunk that failed, whichever failed first in time
+            raise min(errors, key=lambda e: e.chunk if isinstance(e, PrefetchError) and e.chunk is not None else -1)
         return out
 
     async def _read_local(self, items: list[tuple[LayerReader, torch.Tensor]], layer: int) -> None:
@@ -229,9 +233,10 @@ class LayerStream:
                 await reader.tier.account(reader.key, outcome)  # counted; a corrupt file is removed
                 failed = failed or reader
         if failed is not None:
-            raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk")
+            chunk = next(index for index, held in enumerate(self._readers) if held is failed)
+            raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk", chunk=chunk)
 
-    async def _read(self, reader: LayerReader, layer: int, target: torch.Tensor) -> None:
+    async def _read(self, reader: LayerReader, layer: int, target: torch.Tensor, chunk: int) -> None:
         layout = self._sources.layout
         contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
@@ -242,9 +247,11 @@ class LayerStream:
                 ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
         except TimeoutError:
             reader.tier.stats.timeouts += 1
-            raise PrefetchError(f"layer {layer} of {where} timed out") from None
+            raise PrefetchError(f"layer {layer} of {where} timed out", chunk=chunk) from None
         if not ok:
-            raise PrefetchError(f"layer {layer} of {where} could not be read (counted in the tier's stats)")
+            raise PrefetchError(
+                f"layer {layer} of {where} could not be read (counted in the tier's stats)", chunk=chunk
+            )
         if contiguous is not target:
             copy_between(target, contiguous)
 

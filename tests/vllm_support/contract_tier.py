@@ -24,9 +24,9 @@ CHUNK_BYTES = LAYERS * 2 * TOKENS * WIDTH * 4
 ROWS = 6
 
 
-def spec(kv_cache_layout: str = "LBHNC") -> SimpleNamespace:
+def spec(kv_cache_layout: str = "LBHNC", model: str = "tiny") -> SimpleNamespace:
     config = SimpleNamespace(
-        model=SimpleNamespace(name="tiny", dtype="float32"),
+        model=SimpleNamespace(name=model, dtype="float32"),
         kv_cache_layout=kv_cache_layout,
         canonical_layout=False,
         groups=(SimpleNamespace(layer_names=("l0", "l1"), tokens_per_block=128, group_id=0),),
@@ -147,6 +147,26 @@ def test_another_namespace_or_block_layout_sees_none_of_the_chunks(primary, tmp_
         second.shutdown()
 
 
+def test_weights_swapped_at_the_models_path_see_none_of_the_chunks(primary, tmp_path, monkeypatch):
+    """Issue 15 item 4: the tier's default namespace names the weights' bytes, not only the path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"W1" * 1000)
+    disk = {"path": str(tmp_path / "disk")}
+    first = KVStoreTier(spec(model=str(model)), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk})
+    first.submit_store(job(1, [key(7)], [0], promotion=False))
+    finish(first)
+    first.shutdown()
+    (model / "model.safetensors").write_bytes(b"W2" * 1000)  # the same size, other values
+    second = KVStoreTier(spec(model=str(model)), memoryview(primary), "KVStoreTier", kvstore_config={"disk": disk})
+    try:
+        assert resolve(second, key(7)) is LookupResult.MISS
+    finally:
+        second.shutdown()
+
+
 def test_a_closed_store_fails_jobs_and_misses_lookups_without_raising(tier):
     tier.store.close()
     tier.submit_load(job(3, [key(1)], [0], promotion=True))
@@ -160,3 +180,18 @@ def test_a_misspelled_option_is_refused_with_its_name(primary):
         KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_confg={})
     with pytest.raises(ConfigError, match="dram.capcity"):
         KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstore_config={"dram": {"capcity": "1GiB"}})
+    with pytest.raises(ConfigError, match=r"'kvstroe_config' for kvstore \(did you mean 'kvstore_config'\?\)"):
+        KVStoreTier(spec(), memoryview(primary), "KVStoreTier", kvstroe_config={})
+
+
+def test_the_connector_refuses_every_key_it_and_vllm_do_not_define_with_the_closest_name():
+    """Issue 15 item 13: keys not starting with kvstore were ignored (the engine ran without its tiers)."""
+    from kvstore.connectors.vllm._common import read_options
+
+    for key in ("kv_store_config", "kvstroe_config", "store_config"):
+        with pytest.raises(ConfigError, match=rf"{key!r} for kvstore \(did you mean 'kvstore_config'\?\)"):
+            read_options({key: {}}, lambda: "ns")
+    with pytest.raises(ConfigError, match=r"unknown vLLM option 'colour' for kvstore; valid options are"):
+        read_options({"colour": 1}, lambda: "ns")
+    # vLLM's own key (written by --kv-offloading-backend) is not kvstore's to refuse.
+    assert read_options({"cpu_bytes_to_use": 1 << 30}, lambda: "ns").namespace == "ns"

@@ -140,6 +140,10 @@ def main() -> None:
     # With VLLM_ENABLE_V1_MULTIPROCESSING=1 the engine (and kvstore) live in other processes.
     in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     report["stats"] = report_stats(llm, args.mode) if in_process else {}
+    if in_process and args.mode == "connector":  # where the prompt's chunks are: the keys of the gen step
+        connector = scheduler_connector(llm)
+        report["namespace"] = connector.namespace
+        report["keys"] = connector.store.chunk_keys(prompt(args.prompt_seed, args.prompt_tokens))
     with open(args.out, "w") as f:
         json.dump(report, f, default=str)
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None

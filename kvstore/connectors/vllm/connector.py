@@ -35,13 +35,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvstore.connectors.paged import CANONICAL_FORMATS, PagedFormat, PagedLayer, paged_format
-from kvstore.connectors.vllm._common import read_options, shared_stores
+from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer, paged_format
+from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
+from kvstore.connectors.vllm.engine_config import expected_paged_format, layout_for_vllm, request_extra
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncLayerStream
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
-from kvstore.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,75 +57,8 @@ log = logging.getLogger("kvstore.connectors.vllm")
 SPARE_CHUNKS = 8  # staging buffers kept between steps (a long prefill step may need more, briefly)
 
 
-def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
-    """The :class:`KVLayout` of the served model's KV cache; refuses what this connector cannot store."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ConfigError(
-            "kvstore's vLLM integrations support one worker for now (tensor_parallel_size and "
-            "pipeline_parallel_size 1); run without parallelism or without kvstore"
-        )
-    if model.use_mla:
-        raise ConfigError("kvstore's vLLM integrations do not support MLA models yet")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        raise ConfigError(
-            f"kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is not supported by kvstore's vLLM "
-            "connector; use --kv-cache-dtype auto (kvstore's fp8 codecs can still compress what it stores)"
-        )
-    block_size = vllm_config.cache_config.block_size
-    if block_size and chunk_tokens % block_size:
-        raise ConfigError(
-            f"kvstore_chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size ({block_size}); "
-            "change one of them (e.g. --block-size 16, or kvstore_chunk_tokens 256)"
-        )
-    return KVLayout(
-        num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_total_num_kv_heads(),
-        head_dim=model.get_head_size(),
-        dtype=model.dtype,
-        chunk_tokens=chunk_tokens,
-    )
-
-
-def expected_paged_format(vllm_config: VllmConfig) -> tuple[PagedFormat, str]:
-    """How this engine's attention kernels will lay out blocks (format, and a tag naming the kernels).
-
-    Known on the scheduler side too, where there is no model: chunks in a non-canonical format
-    get keys of their own (see :mod:`kvstore.connectors.paged`). The worker checks it against
-    the real layers when it registers its caches.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return "kv_split", "gpu"
-    isa: str | None
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        config = vllm_config.model_config
-        isa = _get_attn_isa(config.dtype, vllm_config.cache_config.block_size, config.get_head_size())
-    except Exception:  # a vLLM without this helper: the worker's check names what it found
-        isa = None
-    return paged_format("CPU_ATTN", isa), f"CPU_ATTN/{isa}"
-
-
 async def _put_all(store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
     return [await store.put(key, chunk) for key, chunk in chunks]
-
-
-def request_extra(request: Request) -> bytes | None:
-    """What changes a request's KV besides its tokens: LoRA adapter, images and the like, cache salt.
-
-    Folded into every chunk key of the request (kvstore's ``extra``): two requests share chunks
-    only if all of these are equal too.
-    """
-    parts: list[str] = []
-    if request.lora_request is not None:
-        parts.append(f"lora={request.lora_request.lora_name}#{request.lora_request.lora_int_id}")
-    parts.extend(f"mm={feature.identifier}" for feature in request.mm_features)
-    if request.cache_salt:
-        parts.append(f"salt={request.cache_salt}")
-    return "\n".join(parts).encode() if parts else None
 
 
 @dataclass
@@ -165,7 +98,7 @@ class _Request:
     next_save: int = 0  # chunks before this one are in the store or queued for it
     block_ids: list[int] = field(default_factory=list)
     load: LoadSpec | None = None  # to send to the worker with the next step
-    loading: tuple[int, set[int]] | None = None  # (first chunk, blocks) of the load planned
+    loading: tuple[int, LoadSpec] | None = None  # (first chunk, spec) of the load planned
 
 
 @dataclass
@@ -184,7 +117,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         model = vllm_config.model_config
-        options = read_options(transfer.kv_connector_extra_config or {}, f"vllm:{model.model}")
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        options = read_options(
+            transfer.kv_connector_extra_config or {}, lambda: vllm_namespace("vllm", model, cache_dtype)
+        )
         if len(kv_cache_config.kv_cache_groups) > 1:
             raise ConfigError("kvstore's KVStoreConnector supports models with one KV cache group (no hybrid models)")
         if transfer.kv_load_failure_policy != "recompute":
@@ -202,15 +138,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = options.chunk_tokens
         self.prefetch_depth = options.prefetch_depth
+        self.namespace = options.namespace
         self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
         timeouts = self.store.store.config.timeouts
         self.wait_timeout = (len(self.store.store.tiers) + 2) * timeouts.get
         self.counters = {
             "lookups": 0,
             "lookup_errors": 0,
-            "hit_tokens": 0,
+            "hit_tokens": 0,  # scheduler: tokens it told vLLM would be loaded (some may fail later)
             "loaded_chunks": 0,
+            "loaded_tokens": 0,  # worker: tokens actually loaded into vLLM's blocks
             "load_failures": 0,
+            "partial_loads": 0,  # loads whose chunks before a failed one were kept
             "failed_blocks": 0,
             "saved_chunks": 0,
             "save_rejected": 0,
@@ -296,7 +235,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             skip=start - first_chunk * self.chunk_tokens,
             block_ids=list(block_ids[start // self.block_size : end // self.block_size]),
         )
-        state.loading = (first_chunk, set(state.load.block_ids))
+        state.loading = (first_chunk, state.load)
         self.counters["hit_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -346,9 +285,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not failed:
             return
         for state in self._requests.values():
-            if state.loading is not None and state.loading[1] & failed:
-                state.next_save = min(state.next_save, state.loading[0])
-                for key in state.keys[state.loading[0] :]:
+            if state.loading is None:
+                continue
+            first_chunk, spec = state.loading
+            bad = [i for i, block in enumerate(spec.block_ids) if block in failed]
+            if bad:  # from the first failed block's chunk on: recomputed, to be saved again
+                chunk = first_chunk + (spec.skip + bad[0] * self.block_size) // self.chunk_tokens
+                state.next_save = min(state.next_save, chunk)
+                for key in state.keys[chunk:]:
                     self._saved.pop(key, None)  # gone from the worker's DRAM, or bad: ask the store next time
                 state.loading = None
 
@@ -405,16 +349,41 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         layer = self._layers[index]
         for load in self._loads:
-            if load.failed or load.stream is None or load.layers_done != index:
-                continue
-            try:
-                kv = load.stream.wait_layer(index, self.wait_timeout)
-                rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
-                layer.scatter(load.block_ids, kv[:, rows])
-                load.layers_done += 1
-            except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
-                self._fail(load, f"layer {index}: {exc}")
+            while not load.failed and load.stream is not None and load.layers_done == index:
+                try:
+                    kv = load.stream.wait_layer(index, self.wait_timeout)
+                    rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
+                    layer.scatter(load.block_ids, kv[:, rows])
+                    load.layers_done += 1
+                except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
+                    if not self._keep_sound_chunks(load, exc):
+                        self._fail(load, f"layer {index}: {exc}")
         self._finish_loads(complete_only=True)
+
+    def _keep_sound_chunks(self, load: _ActiveLoad, exc: KVStoreError) -> bool:
+        """After chunk c of ``load`` failed, go on loading its chunks before c; False if none are left.
+
+        Only chunk c's blocks and those after it are reported failed: vLLM recomputes from
+        there, not the whole prefix. The chunks before c are streamed again from a new stream
+        (their layers up to the failed one included: the old stream fails that layer as a whole).
+        Each narrowing drops at least one chunk, so a load is retried at most once per chunk.
+        """
+        bad = getattr(exc, "chunk", None)  # None: not one chunk's fault (a late layer, a closed store)
+        keep = 0 if bad is None else (bad * self.chunk_tokens - load.spec.skip) // self.block_size
+        if keep <= 0 or keep >= len(load.spec.block_ids):
+            return False
+        spec = load.spec
+        self._report_failed(spec, spec.block_ids[keep:], f"chunk {bad} of {len(spec.keys)}: {exc}")
+        self.counters["partial_loads"] += 1
+        self._close_stream(load)
+        load.spec = dataclasses.replace(spec, keys=spec.keys[:bad], block_ids=spec.block_ids[:keep])
+        load.block_ids = load.block_ids[:keep]
+        try:
+            load.stream = self.store.prefetch(load.spec.keys, depth=self.prefetch_depth)
+        except KVStoreError as error:
+            load.stream = None
+            self._fail(load, f"the stream of its first {bad} chunks did not start: {error!r}")
+        return True
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -466,12 +435,25 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _fail(self, load: _ActiveLoad, reason: str) -> None:
         load.failed = True
+        self._report_failed(load.spec, load.spec.block_ids, reason)
+
+    def _report_failed(self, spec: LoadSpec, block_ids: list[int], reason: str) -> None:
+        """Blocks of ``spec`` that vLLM must recompute (counted once per failure)."""
         self.counters["load_failures"] += 1
-        self.counters["failed_blocks"] += len(load.spec.block_ids)
-        self._failed_blocks.update(load.spec.block_ids)
+        self.counters["failed_blocks"] += len(block_ids)
+        self._failed_blocks.update(block_ids)
         log.warning(
-            "kvstore: request %s's cached prefix failed to load (%s); vLLM recomputes it", load.spec.req_id, reason
-        )
+            "kvstore: %d of %d blocks of request %s's cached prefix failed to load (%s); vLLM recomputes them",
+            len(block_ids), len(spec.block_ids), spec.req_id, reason,
+        )  # fmt: skip
+
+    @staticmethod
+    def _close_stream(load: _ActiveLoad) -> None:
+        try:
+            if load.stream is not None:
+                load.stream.close()
+        except Exception as exc:  # closing must not turn a finished load into an engine error
+            log.debug("kvstore: closing a layer stream failed: %r", exc)
 
     def _finish_loads(self, complete_only: bool) -> None:
         keep: list[_ActiveLoad] = []
@@ -482,11 +464,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             if not load.failed:
                 self.counters["loaded_chunks"] += len(load.spec.keys)
-            try:
-                if load.stream is not None:
-                    load.stream.close()
-            except Exception as exc:  # closing must not turn a finished load into an engine error
-                log.debug("kvstore: closing a layer stream failed: %r", exc)
+                self.counters["loaded_tokens"] += len(load.spec.block_ids) * self.block_size
+            self._close_stream(load)
         self._loads = keep
 
     # -- both sides --------------------------------------------------------------------------

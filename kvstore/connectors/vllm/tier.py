@@ -34,7 +34,8 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.connectors.vllm._common import read_options, shared_stores
+from kvstore.connectors.identity import default_namespace
+from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, namespace_seed
 from kvstore.layout import KVLayout, dtype_from_name
@@ -46,6 +47,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.connectors.vllm")
 TIER_OPTIONS = {"kvstore_config", "kvstore_config_file", "kvstore_namespace"}
 KNOWN_KEYS = 1 << 16  # lookup answers remembered (present / failed), oldest forgotten first
+
+
+def tier_namespace(model: str, kv_dtype: str) -> str:
+    """``vllm-tier:<model>#id=<weights and settings>``: the tier's default namespace.
+
+    The offloading spec names only the model and its KV dtype (the checkpoint's files, config.json
+    included, are hashed from the name). The engine's ``ModelConfig`` (runtime quantization,
+    ``--hf-overrides``, rope scaling given on the command line) is added when vLLM's current
+    config is set for this model; where it is not (vLLM 0.32 builds the scheduler outside
+    ``set_current_vllm_config``), an engine that overrides those at run time should set
+    ``kvstore_namespace``.
+    """
+    from vllm.config import get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    if current is not None and current.model_config is not None and current.model_config.model == model:
+        return vllm_namespace("vllm-tier", current.model_config, kv_dtype)
+    return default_namespace("vllm-tier", model, {"kv_cache_dtype": kv_dtype})
 
 
 def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
@@ -109,11 +128,9 @@ class KVStoreTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        model = offloading_spec.config.model.name
-        settings = read_options(options, f"vllm-tier:{model}", allowed=TIER_OPTIONS)
-        unknown = sorted(set(options) - TIER_OPTIONS)
-        if unknown:
-            raise ConfigError(f"unknown KVStoreTier option(s) {unknown}; valid options are {sorted(TIER_OPTIONS)}")
+        model = offloading_spec.config.model
+        # Its own dict in secondary_tiers: vLLM takes out type, module_path, backpressure and locality.
+        settings = read_options(options, lambda: tier_namespace(model.name, model.dtype), TIER_OPTIONS, ())
         chunk_bytes = offloading_spec.config.worker_kv_bytes_per_block * offloading_spec.config.cache.blocks_per_chunk
         self.layout = layout_for_primary(offloading_spec, chunk_bytes)
         self.format = primary_format(offloading_spec)
