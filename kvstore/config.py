@@ -207,6 +207,32 @@ class TimeoutConfig(_Section):
     close: float = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
 
 
+class BreakerConfig(_Section):
+    """A circuit breaker per secondary tier: a dead or frozen tier is skipped, not waited for.
+
+    See :mod:`kvstore.storage.breaker`; the defaults cost a dead tier three timeouts, then one
+    probe per back-off period (1 s, doubling to one a minute).
+    """
+
+    enabled: bool = Field(True, description="skip a tier after repeated failures instead of waiting for each timeout")
+    failures: int = Field(
+        3, ge=1, le=1000, description="consecutive timeouts or errors of a tier that open its breaker"
+    )
+    backoff: float = Field(1.0, gt=0, description="seconds an open breaker skips the tier before one probe request")
+    backoff_max: float = Field(
+        60.0, gt=0, description="seconds the back-off grows to at most (it doubles after each failed probe)"
+    )
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> BreakerConfig:
+        if self.backoff_max < self.backoff:
+            raise ValueError(
+                f"breaker.backoff_max ({self.backoff_max}s) must be at least breaker.backoff ({self.backoff}s); "
+                "raise breaker.backoff_max or lower breaker.backoff"
+            )
+        return self
+
+
 class MetricsConfig(_Section):
     """A Prometheus exporter for every store in the process (see kvstore.engine.metrics)."""
 
@@ -254,6 +280,7 @@ class StoreConfig(BaseSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     encryption: EncryptionConfig = Field(default_factory=EncryptionConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")

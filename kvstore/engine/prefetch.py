@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.engine.dram import SlabPool
-from kvstore.errors import PrefetchError
+from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.layer_reader import LayerReader
@@ -171,7 +171,10 @@ class LayerStream:
             # descriptors); a remote tier's header reads are bounded by its timeout.
             timeout = None if tier.is_local else sources.read_timeout
             try:
-                opened = await asyncio.wait_for(tier.open_layers_many([self._keys[i] for i in missing]), timeout)
+                with tier.breaker.guard():  # an open breaker skips the tier (TierSkipped, a TimeoutError)
+                    opened = await asyncio.wait_for(tier.open_layers_many([self._keys[i] for i in missing]), timeout)
+            except TierSkipped:
+                continue
             except TimeoutError:
                 tier.stats.timeouts += 1
                 continue
@@ -220,8 +223,11 @@ class LayerStream:
         try:
             # Later layers ride along in the same request, as far as the stream may run ahead.
             ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
-            read = reader.read_counted(layer, tensor_bytes(contiguous), ahead)
-            ok = await asyncio.wait_for(read, self._sources.read_timeout)
+            with reader.tier.breaker.guard():  # open: this layer fails at once, without a wait
+                read = reader.read_counted(layer, tensor_bytes(contiguous), ahead)
+                ok = await asyncio.wait_for(read, self._sources.read_timeout)
+        except TierSkipped:
+            raise PrefetchError(f"layer {layer} of {where} skipped: the tier's circuit breaker is open") from None
         except TimeoutError:
             reader.tier.stats.timeouts += 1
             raise PrefetchError(f"layer {layer} of {where} timed out") from None

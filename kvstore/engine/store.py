@@ -40,6 +40,7 @@ from kvstore.layout import KVLayout
 from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker
 from kvstore.sizing.advice import Advice, CostModel, Policy, advise
 from kvstore.sizing.mrc import ReuseProfile
+from kvstore.storage.breaker import CircuitBreaker
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.tier import ChunkTier
 
@@ -74,6 +75,8 @@ class KVStore:
         self._held_back = HeldBack(2 * self.pool.max_slots)
         self._auto: AutoMode | None = None  # made at open(), with the tracker
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
+        for tier in self.tiers:  # each tier's circuit breaker, as configured (kvstore.storage.breaker)
+            tier.breaker = CircuitBreaker(tier.name, **config.breaker.model_dump())
         self._counters = {  # what the engine asked: stats()["store"], the kvstore_* counters
             "puts": 0,
             "put_rejected": 0,
@@ -250,7 +253,14 @@ class KVStore:
                 end_of_write = self._releaser([slot for _, slot in batch])
                 timeout = self.config.timeouts.put * len(batch)
                 outcomes = await self._operations.bounded(
-                    write, timeout, tier.name, tier.stats, tier.latency.write, end_of_write
+                    write,
+                    timeout,
+                    tier.name,
+                    tier.stats,
+                    tier.latency.write,
+                    end_of_write,
+                    breaker=tier.breaker,
+                    writes=len(batch),
                 )
                 for (key, _), outcome in zip(batch, outcomes, strict=True):
                     if outcome is not None:
@@ -284,7 +294,12 @@ class KVStore:
                 try:
                     prefix = tier.prefix_count(keys[count:])
                     found = await self._operations.bounded(
-                        prefix, self.config.timeouts.get, tier.name, tier.stats, tier.latency.lookup
+                        prefix,
+                        self.config.timeouts.get,
+                        tier.name,
+                        tier.stats,
+                        tier.latency.lookup,
+                        breaker=tier.breaker,
                     )
                 except TierTimeout:
                     continue
@@ -403,7 +418,7 @@ class KVStore:
                 end_of_read = self._releaser([slot for _, slot in reserved])
                 timeout = self.config.timeouts.get * len(reserved)
                 found = await self._operations.bounded(
-                    read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read
+                    read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read, breaker=tier.breaker
                 )
             except TierTimeout:
                 found = [False] * len(reserved)
