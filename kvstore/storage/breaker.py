@@ -84,7 +84,7 @@ class CircuitBreaker:
         self.tier = tier
         self.enabled = enabled
         self.failures, self.backoff, self.backoff_max = failures, backoff, backoff_max
-        self._clock = clock
+        self.clock = clock  # injectable: tests drive the back-off without sleeping
         self.state: State = "closed"
         self._consecutive = 0  # failures in a row while closed
         self._wait = backoff  # the back-off of the next (or current) open period
@@ -103,7 +103,7 @@ class CircuitBreaker:
         """
         if not self.enabled or self.state == "closed":
             return True
-        if self.state == "open" and self._clock() >= self._retry_at:
+        if self.state == "open" and self.clock() >= self._retry_at:
             self.state = "half-open"
             return True
         return False
@@ -129,8 +129,8 @@ class CircuitBreaker:
             self._open()
             self.opens += 1
             log.warning(
-                "%s tier: circuit breaker open after %d failures in a row: the tier is skipped (reads miss, "
-                "writes are dropped) and probed again after %.1fs, backing off up to %.0fs",
+                "%s tier: circuit breaker open after %d consecutive failure(s): the tier is skipped (reads miss, "
+                "writes are dropped), probed again after %gs, the back-off doubling up to %gs",
                 self.tier,
                 self._consecutive,
                 self._wait,
@@ -141,11 +141,11 @@ class CircuitBreaker:
         """The probe ended without an answer (its caller was cancelled): let the next caller probe at once."""
         if self.state == "half-open":
             self.state = "open"
-            self._retry_at = self._clock()
+            self._retry_at = self.clock()
 
     def _open(self) -> None:
         self.state = "open"
-        self._retry_at = self._clock() + self._wait
+        self._retry_at = self.clock() + self._wait
 
     def skip(self, writes: int = 0) -> None:
         """Count an operation not attempted: ``writes`` chunks not written, or (0) a read or lookup."""
