@@ -20,9 +20,8 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import nullcontext
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvstore.errors import TierTimeout
 from kvstore.storage.breaker import CircuitBreaker
@@ -30,6 +29,14 @@ from kvstore.storage.stats import Histogram, TierStats
 
 log = logging.getLogger("kvstore")
 T = TypeVar("T")
+
+
+class GuardedTier(Protocol):
+    """What a bounded operation needs of its tier (:class:`kvstore.storage.tier.ChunkTier` is one)."""
+
+    name: str
+    stats: TierStats  # counts the timeouts
+    breaker: CircuitBreaker
 
 
 class TierOperations:
@@ -42,27 +49,25 @@ class TierOperations:
         self,
         operation: Awaitable[T],
         timeout: float,
-        tier: str,
-        stats: TierStats,
+        tier: GuardedTier,
         latency: Histogram,
         on_end: Callable[[], None] | None = None,
         *,
-        breaker: CircuitBreaker | None = None,
         writes: int = 0,
     ) -> T:
-        """Await ``operation`` for at most ``timeout`` seconds, else count it and raise :class:`TierTimeout`.
+        """Await ``operation`` on ``tier`` at most ``timeout`` seconds, else count it and raise :class:`TierTimeout`.
 
         The wait goes into ``latency`` (a timed-out one as about ``timeout``: what the engine waited).
         ``on_end`` runs when the operation has really ended (maybe long after a timeout): that is
         when the memory it used may be released.
 
-        Under the tier's ``breaker`` (when given) a timeout or an error the tier noted is a failure
-        and an answer (a miss included) a success; while the breaker is open the operation is not
-        started at all: ``on_end`` runs at once and :class:`TierSkipped` (a TierTimeout) is raised,
-        counted as a skipped read, or as ``writes`` skipped chunks for a write.
+        Under the tier's breaker a timeout, or an error the tier noted, is a failure and an answer
+        (a miss included) a success. While the breaker is open the operation is not started at all:
+        ``on_end`` runs at once and :class:`TierSkipped` (a TierTimeout) is raised, counted as a
+        skipped read, or as ``writes`` skipped chunks for a write of that many.
         """
         skipped = partial(_never_started, operation, on_end)
-        with breaker.guard(writes, skipped) if breaker is not None else nullcontext():  # TierSkipped when open
+        with tier.breaker.guard(writes, skipped):  # raises TierSkipped while the breaker is open
             start = time.perf_counter()
             task = asyncio.ensure_future(operation)  # inside the guard: the tier's failures are noted for it
             self._running.add(task)
@@ -72,10 +77,10 @@ class TierOperations:
             done, _ = await asyncio.wait({task}, timeout=timeout)
             latency.observe(time.perf_counter() - start)
             if not done:
-                stats.timeouts += 1
-                log.warning("%s tier: operation exceeded its %.1fs timeout", tier, timeout)
+                tier.stats.timeouts += 1
+                log.warning("%s tier: operation exceeded its %.1fs timeout", tier.name, timeout)
                 task.cancel()
-                raise TierTimeout(tier)
+                raise TierTimeout(tier.name)
             return task.result()
 
     def cancel_all(self) -> None:

@@ -253,14 +253,7 @@ class KVStore:
                 end_of_write = self._releaser([slot for _, slot in batch])
                 timeout = self.config.timeouts.put * len(batch)
                 outcomes = await self._operations.bounded(
-                    write,
-                    timeout,
-                    tier.name,
-                    tier.stats,
-                    tier.latency.write,
-                    end_of_write,
-                    breaker=tier.breaker,
-                    writes=len(batch),
+                    write, timeout, tier, tier.latency.write, end_of_write, writes=len(batch)
                 )
                 for (key, _), outcome in zip(batch, outcomes, strict=True):
                     if outcome is not None:
@@ -293,14 +286,7 @@ class KVStore:
             for tier in self.tiers:
                 try:
                     prefix = tier.prefix_count(keys[count:])
-                    found = await self._operations.bounded(
-                        prefix,
-                        self.config.timeouts.get,
-                        tier.name,
-                        tier.stats,
-                        tier.latency.lookup,
-                        breaker=tier.breaker,
-                    )
+                    found = await self._operations.bounded(prefix, self.config.timeouts.get, tier, tier.latency.lookup)
                 except TierTimeout:
                     continue
                 if found > 0:
@@ -417,9 +403,7 @@ class KVStore:
                 read = tier.read_many_into([keys[i] for i, _ in reserved], [self.pool.buffer(s) for _, s in reserved])
                 end_of_read = self._releaser([slot for _, slot in reserved])
                 timeout = self.config.timeouts.get * len(reserved)
-                found = await self._operations.bounded(
-                    read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read, breaker=tier.breaker
-                )
+                found = await self._operations.bounded(read, timeout, tier, tier.latency.read, end_of_read)
             except TierTimeout:
                 found = [False] * len(reserved)
             except BaseException:
