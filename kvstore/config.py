@@ -218,9 +218,15 @@ class BreakerConfig(_Section):
     failures: int = Field(
         3, ge=1, le=1000, description="consecutive timeouts or errors of a tier that open its breaker"
     )
-    backoff: float = Field(1.0, gt=0, description="seconds an open breaker skips the tier before one probe request")
+    backoff: float = Field(
+        1.0, gt=0, le=3600, allow_inf_nan=False, description="seconds an open breaker skips the tier before one probe"
+    )
     backoff_max: float = Field(
-        60.0, gt=0, description="seconds the back-off grows to at most (it doubles after each failed probe)"
+        60.0,
+        gt=0,
+        le=3600,  # a tier back for an hour but never probed would be lost capacity nobody sees
+        allow_inf_nan=False,
+        description="seconds the back-off grows to at most (it doubles after each failed probe)",
     )
 
     @model_validator(mode="after")

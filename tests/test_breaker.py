@@ -177,6 +177,10 @@ def test_config_defaults_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> No
         StoreConfig(breaker={"failures": 0})
     with pytest.raises(ConfigError, match=r"breaker.backoff = -1"):
         StoreConfig(breaker={"backoff": -1})
+    with pytest.raises(ConfigError, match=r"breaker.backoff_max = inf: .*finite"):  # never probed again
+        StoreConfig(breaker={"backoff_max": float("inf")})
+    with pytest.raises(ConfigError, match=r"breaker.backoff_max = 86400.*less than or equal to 3600"):
+        StoreConfig(breaker={"backoff_max": 86400})
     with pytest.raises(ConfigError, match="did you mean 'breaker.failures'"):
         StoreConfig(breaker={"failure": 2})
     monkeypatch.setenv("KVSTORE_BREAKER__BACKOFF_MAX", "30")
