@@ -214,11 +214,44 @@ class EncryptionConfig(_Section):
 
 
 class TimeoutConfig(_Section):
-    get: Duration = Field(5.0, gt=0, description="seconds a tier may take to read one chunk before it counts as a miss")
+    get: Duration = Field(
+        5.0,
+        gt=0,
+        description="seconds a get, get_many or lookup call waits on the tiers in all (one deadline per call)",
+    )
     put: Duration = Field(
         30.0, gt=0, description="seconds a tier may take to write one chunk before it counts as an error"
     )
     close: Duration = Field(10.0, gt=0, description="seconds close() waits for pending writes before abandoning them")
+
+
+class BreakerConfig(_Section):
+    """A circuit breaker per secondary tier: a dead or frozen tier is skipped, not waited for.
+
+    See :mod:`kvstore.storage.breaker`; the defaults cost a dead tier three timeouts, then one
+    probe per back-off period (1 s, doubling to one a minute).
+    """
+
+    enabled: bool = Field(True, description="skip a tier after repeated failures instead of waiting for each timeout")
+    failures: int = Field(
+        3, ge=1, le=1000, description="consecutive timeouts or errors of a tier that open its breaker"
+    )
+    backoff: Duration = Field(1.0, gt=0, le=3600, description="seconds an open breaker skips the tier before one probe")
+    backoff_max: Duration = Field(
+        60.0,
+        gt=0,
+        le=3600,  # a tier back for an hour but never probed would be lost capacity nobody sees
+        description="seconds the back-off grows to at most (it doubles after each failed probe)",
+    )
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> BreakerConfig:
+        if self.backoff_max < self.backoff:
+            raise ValueError(
+                f"breaker.backoff_max ({self.backoff_max}s) must be at least breaker.backoff ({self.backoff}s); "
+                "raise breaker.backoff_max or lower breaker.backoff"
+            )
+        return self
 
 
 class MetricsConfig(_Section):
@@ -268,6 +301,7 @@ class StoreConfig(BaseSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     encryption: EncryptionConfig = Field(default_factory=EncryptionConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")

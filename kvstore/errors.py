@@ -48,6 +48,13 @@ class TierTimeout(KVStoreError, TimeoutError):
     """A tier operation ran past its configured timeout (counted; the caller treats it as a miss)."""
 
 
+class TierSkipped(TierTimeout):
+    """A tier operation was not attempted: the tier's circuit breaker is open (counted; a miss, as after a timeout).
+
+    A :class:`TierTimeout` because the caller's answer is the same: the tier did not answer in time.
+    """
+
+
 # -- stored objects (a tier turns these into counted misses) --------------------------------------
 
 

@@ -127,6 +127,10 @@ async def test_scrape_matches_store_counters(tmp_path: Path) -> None:
     for key, (name, _) in metrics.TIER_COUNTERS.items():
         assert value(samples, f"{name}_total", **disk) == stats["disk"][key], key
     assert value(samples, "kvstore_tier_hits_total", **disk) == 2
+    for key, (name, _) in metrics.BREAKER_COUNTERS.items():
+        assert value(samples, f"{name}_total", **disk) == stats["disk"]["breaker"][key] == 0, key
+    assert value(samples, "kvstore_tier_breaker_state", **disk, state="closed") == 1
+    assert value(samples, "kvstore_tier_breaker_state", **disk, state="open") == 0
     assert value(samples, "kvstore_tier_queue_depth", **disk) == stats["disk"]["queued"] == 0
     assert value(samples, "kvstore_dram_chunks", namespace=namespace) == stats["dram"]["chunks"] == 2
     assert value(samples, "kvstore_dram_used_bytes", namespace=namespace) == 2 * LAYOUT.chunk_nbytes
@@ -241,6 +245,6 @@ def test_every_metric_is_documented_in_the_readme() -> None:
         f"| `{family.name}{'_total' if family.type == 'counter' else ''}` | {family.type} |"
         for family in metrics.KVStoreCollector().describe()
     ]
-    assert len(rows) == 37
+    assert len(rows) == 41
     missing = [row for row in rows if row not in section]
     assert not missing, f"README's metrics table lacks {missing}"

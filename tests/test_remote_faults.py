@@ -109,16 +109,21 @@ async def test_server_lost_and_back(remote, fault: str):
         finally:
             server.resume() if fault == "paused" else server.start()
 
-        # The tier resumes on its own: new writes land and a fresh reader finds them.
-        after = keys_for(writer, seed=3)
-        for i, key in enumerate(after):
-            assert await writer.put(key, chunk(20 + i))
+        # The tier resumes on its own: new writes land and a fresh reader finds them. Writes made while
+        # the tier's circuit breaker is still open (until its probe) are dropped, not retried: each try
+        # puts new chunks.
+        attempt = iter(range(1000))
+        after: list[str] = []
 
         async def landed() -> bool:
+            nonlocal after
+            after = keys_for(writer, seed=1000 + next(attempt))
+            for i, key in enumerate(after):
+                assert await writer.put(key, chunk(20 + i))
             await writer.flush()
             return await reader.lookup(after) == 3
 
-        if not await wait_for(landed):
+        if not await wait_for(landed, 60):
             pytest.fail(f"{tier} tier did not resume: {writer.stats()[tier]}")
 
         async def served() -> bool:  # a server just back may still time out a read or two: a miss, never wrong
@@ -157,3 +162,85 @@ async def test_store_starts_while_the_server_is_down(remote):
         started = time.monotonic()
         await store.close()
         assert time.monotonic() - started < HANG_BOUND
+
+
+async def test_breaker_skips_a_frozen_redis_above_s3_and_a_probe_closes_it(
+    request, seaweedfs_server, monkeypatch, caplog
+):
+    """Redis frozen (SIGSTOP) above S3: once its breaker is open, chunks S3 holds are served without
+    waiting for Redis's timeout (the count of Redis timeouts stops growing); resumed, a probe closes it.
+
+    The reader's breaker runs on a clock the test moves, so whether a probe happens never depends on timing.
+    """
+    redis = start_server(RedisServer())
+    request.addfinalizer(redis.close)
+    for name, value in seaweedfs_server.credentials_env().items():
+        monkeypatch.setenv(name, value)
+    config = StoreConfig(
+        dram={"capacity": LAYOUT.chunk_nbytes * 16},
+        disk={"enabled": False},
+        redis={"enabled": True, "url": redis.url, "connect_timeout": 0.5},
+        s3={"enabled": True, "bucket": TEST_BUCKET, "max_attempts": 1, "connect_timeout": 0.5},
+        timeouts={"get": 1.5, "put": 5.0, "close": 5.0},  # S3 must answer within them on a busy machine
+        breaker={
+            "failures": 1,
+            "backoff": 0.2,
+            "backoff_max": 0.4,
+        },  # one timeout opens it (the count: test_breaker.py)
+    )
+    namespace = f"breaker-{uuid.uuid4().hex[:8]}"
+    async with KVStore(config, LAYOUT, namespace) as writer:
+        keys = keys_for(writer, seed=7, count=8)
+        for i, key in enumerate(keys):
+            assert await writer.put(key, chunk(i))
+        await writer.flush()
+        assert (writer.stats()["redis"]["writes"], writer.stats()["s3"]["writes"]) == (8, 8), writer.stats()
+
+    now = [0.0]
+    async with KVStore(config, LAYOUT, namespace) as reader:
+        redis_tier = reader.tiers[0]
+        assert [tier.name for tier in reader.tiers] == ["redis", "s3"]
+        redis_tier.breaker.clock = lambda: now[0]
+        redis.pause()
+        try:
+            assert same(await reader.get(keys[0]), chunk(0))  # waits for Redis's timeout, then S3 serves it
+            stats = reader.stats()["redis"]
+            assert stats["breaker"]["state"] == "open" and stats["breaker"]["opens"] == 1, stats
+            timeouts = stats["timeouts"]
+
+            # Open: S3 serves without a wait on Redis, whatever the call.
+            for i in (1, 2):
+                assert same(await reader.get(keys[i]), chunk(i))
+            assert await reader.lookup(keys) == 8
+            assert all(same(kv, chunk(3 + i)) for i, kv in enumerate(await reader.get_many(keys[3:5])))
+            async with reader.prefetch(keys[5:6]) as stream:
+                async for layer, kv in stream:
+                    assert torch.equal(kv.view(torch.int16), chunk(5)[layer].view(torch.int16))
+            await reader.flush()
+            stats = reader.stats()["redis"]
+            assert stats["timeouts"] == timeouts, "an open breaker must not wait for the frozen server"
+            assert stats["breaker"]["skipped_reads"] >= 4 and stats["breaker"]["skipped_writes"] >= 3, stats
+
+            # After the back-off, exactly one caller probes (and waits); the other skips at once.
+            now[0] += 0.2
+            got = await asyncio.gather(reader.get(keys[6]), reader.get(keys[7]))
+            assert same(got[0], chunk(6)) and same(got[1], chunk(7)), reader.stats()
+            await reader.flush()
+            stats = reader.stats()["redis"]
+            assert stats["timeouts"] == timeouts + 1 and stats["breaker"]["state"] == "open", stats
+        finally:
+            redis.resume()
+        opened = [r for r in caplog.records if "circuit breaker open" in r.getMessage()]
+        assert len(opened) == 1, "one log line when the breaker opens, none per skipped call or failed probe"
+
+        async def closed() -> bool:
+            now[0] += 1.0  # past any back-off: the next call to Redis is a probe
+            await reader.lookup(keys_for(reader, seed=8, count=1))  # a chunk no tier holds: Redis is asked
+            return reader.stats()["redis"]["breaker"]["state"] == "closed"
+
+        assert await wait_for(closed), f"the probe did not close the breaker: {reader.stats()['redis']}"
+        assert sum("circuit breaker closed" in r.getMessage() for r in caplog.records) == 1
+        written = reader.stats()["redis"]["writes"]
+        assert await reader.put(keys_for(reader, seed=9, count=1)[0], chunk(9))
+        await reader.flush()
+        assert reader.stats()["redis"]["writes"] == written + 1  # writes reach Redis again

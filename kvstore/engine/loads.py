@@ -34,7 +34,16 @@ class Deadline:
 
     def __init__(self, seconds: float) -> None:
         self._loop = asyncio.get_running_loop()
+        self.seconds = seconds
         self._end = self._loop.time() + seconds
+
+    def fair(self, remaining: float) -> bool:
+        """Whether a tier given ``remaining`` seconds had a fair share of the call's time (half or more).
+
+        A tier that times out with less was cut short by the tiers before it: its circuit breaker
+        must not count that as the tier's failure.
+        """
+        return remaining >= self.seconds / 2
 
     def remaining(self) -> float:
         """Seconds left (0 once passed)."""
@@ -80,7 +89,7 @@ class TierLoader:
             asked = [keys[i] for i in gaps[found:]]
             try:
                 found += await self._operations.bounded(
-                    tier.prefix_count(asked), remaining, tier.name, tier.stats, tier.latency.lookup
+                    tier.prefix_count(asked), remaining, tier, tier.latency.lookup, blame=deadline.fair(remaining)
                 )
             except TierTimeout:
                 continue
@@ -125,7 +134,7 @@ class TierLoader:
                 if not reserved:
                     continue  # no slot now; a later round may find one freed
                 progressed = True
-                for i, ok in await self._read(tier, keys, reserved, remaining):
+                for i, ok in await self._read(tier, keys, reserved, remaining, deadline.fair(remaining)):
                     if not ok:
                         self.pool.release(reserved[i])  # (the read's own reference goes when it ends)
                     elif self._take(position, keys[i], reserved[i], deliver, i):
@@ -151,14 +160,17 @@ class TierLoader:
         return reserved
 
     async def _read(
-        self, tier: ChunkTier, keys: list[ChunkKey], reserved: dict[int, int], timeout: float
+        self, tier: ChunkTier, keys: list[ChunkKey], reserved: dict[int, int], timeout: float, blame: bool
     ) -> list[tuple[int, bool]]:
-        """One batch read of ``tier`` into the reserved slots; per key, whether it was read (a timeout: none)."""
+        """One batch read of ``tier`` into the reserved slots; per key, whether it was read (a timeout: none).
+
+        ``blame``: a timeout counts against the tier's circuit breaker (it had a fair share of the call's time).
+        """
         order = list(reserved)
         try:
             read = tier.read_many_into([keys[i] for i in order], [self.pool.buffer(reserved[i]) for i in order])
             end_of_read = releaser(self.pool, [reserved[i] for i in order])
-            found = await self._operations.bounded(read, timeout, tier.name, tier.stats, tier.latency.read, end_of_read)
+            found = await self._operations.bounded(read, timeout, tier, tier.latency.read, end_of_read, blame=blame)
         except TierTimeout:
             found = [False] * len(order)
         except BaseException:

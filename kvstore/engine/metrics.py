@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvstore.engine.stats import StoreLatency
 from kvstore.errors import ConfigError
+from kvstore.storage.breaker import STATES
 from kvstore.storage.stats import LATENCY_BUCKETS, Histogram, TierLatency
 
 log = logging.getLogger("kvstore.metrics")
@@ -37,9 +38,11 @@ F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
 
 NS = ("namespace",)
 NS_TIER = ("namespace", "tier")
+NS_TIER_STATE = ("namespace", "tier", "state")
 
 # What each stats() counter is exposed as: (section, key) -> (metric, help); the tests check none is missing.
-# A section is stats()["store"], the stats() entry of each tier (labelled with the tier), or stats()["adaptive"].
+# A section is stats()["store"], the stats() entry of each tier (labelled with the tier), its "breaker" entry,
+# or stats()["adaptive"].
 COUNTERS = {
     ("store", "puts"): ("kvstore_puts", "put() calls"),
     ("store", "put_rejected"): ("kvstore_put_rejected", "puts refused: every DRAM slot was held by a transfer"),
@@ -63,6 +66,18 @@ COUNTERS = {
         "valid objects this store cannot open (another layout, encryption key or codec; left in place)",
     ),
     ("tier", "skipped"): ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
+    ("breaker", "opens"): (
+        "kvstore_tier_breaker_opens",
+        "times the tier's circuit breaker opened (the tier kept failing)",
+    ),
+    ("breaker", "skipped_reads"): (
+        "kvstore_tier_breaker_skipped_reads",
+        "reads and lookups not sent to the tier while its circuit breaker was open (each a miss)",
+    ),
+    ("breaker", "skipped_writes"): (
+        "kvstore_tier_breaker_skipped_writes",
+        "chunks not written to the tier while its circuit breaker was open",
+    ),
     ("adaptive", "decisions"): ("kvstore_auto_decisions", "sizing decisions auto mode made"),
     ("adaptive", "resizes"): ("kvstore_auto_resizes", "DRAM resizes auto mode made"),
     ("adaptive", "policy_switches"): ("kvstore_auto_policy_switches", "write policy changes auto mode made"),
@@ -73,12 +88,13 @@ COUNTERS = {
     ),
     ("adaptive", "lookups_tracked"): ("kvstore_lookups_tracked", "chunk lookups the hit-rate tracker has processed"),
 }
-STORE_COUNTERS, TIER_COUNTERS, ADAPTIVE_COUNTERS = (
+STORE_COUNTERS, TIER_COUNTERS, BREAKER_COUNTERS, ADAPTIVE_COUNTERS = (
     {key: metric for (place, key), metric in COUNTERS.items() if place == section}
-    for section in ("store", "tier", "adaptive")
+    for section in ("store", "tier", "breaker", "adaptive")
 )
 EXTRA_COUNTERS = {
     "kvstore_dram_evictions": ("chunks evicted from DRAM to make room", NS),
+    **{name: (help_text, NS_TIER) for name, help_text in BREAKER_COUNTERS.values()},
     **{name: (help_text, NS) for name, help_text in ADAPTIVE_COUNTERS.values()},
 }
 # Gauges and histograms: name -> (kind, help, labels); what each reads is in _read().
@@ -89,6 +105,11 @@ FAMILIES = {
     "kvstore_dram_referenced_slots": ("gauge", "DRAM slots held by a transfer in progress", NS),
     "kvstore_tier_queue_depth": ("gauge", "writes waiting in the tier's queue (queue_depth at most)", NS_TIER),
     "kvstore_write_policy_second_sighting": ("gauge", "1 while the write policy is second-sighting, else 0", NS),
+    "kvstore_tier_breaker_state": (
+        "gauge",
+        "stores whose circuit breaker for the tier is in this state (closed, open: skipped, half-open: probing)",
+        NS_TIER_STATE,
+    ),
     "kvstore_tier_read_seconds": (
         "histogram",
         "seconds per tier read (one batch: a get's chunks missing from faster tiers)",
@@ -182,6 +203,11 @@ def _read(store: MeteredStore) -> tuple[list[Sample], list[HistSample]]:
         labels, tier_stats = (ns, name), stats[name]
         samples += [(metric, labels, tier_stats[key]) for key, (metric, _) in TIER_COUNTERS.items()]
         samples.append(("kvstore_tier_queue_depth", labels, tier_stats["queued"]))
+        breaker = tier_stats["breaker"]
+        samples += [(metric, labels, breaker[key]) for key, (metric, _) in BREAKER_COUNTERS.items()]
+        samples += [
+            ("kvstore_tier_breaker_state", (*labels, state), float(breaker["state"] == state)) for state in STATES
+        ]
     return samples, hists
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.engine.dram import SlabPool
-from kvstore.errors import PrefetchError
+from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.layer_reader import LayerReader
@@ -188,8 +188,11 @@ class LayerStream:
             # descriptors); a remote tier's header reads are bounded by its timeout.
             timeout = None if tier.is_local else sources.read_timeout
             try:
-                async with asyncio.timeout(timeout):
-                    opened = await tier.open_layers_many([self._keys[i] for i in missing])
+                with tier.breaker.guard():  # an open breaker skips the tier (TierSkipped, a TimeoutError)
+                    async with asyncio.timeout(timeout):
+                        opened = await tier.open_layers_many([self._keys[i] for i in missing])
+            except TierSkipped:
+                continue
             except TimeoutError:
                 tier.stats.timeouts += 1
                 continue
@@ -243,8 +246,13 @@ class LayerStream:
         try:
             # Later layers ride along in the same request, as far as the stream may run ahead.
             ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
-            async with asyncio.timeout(self._sources.read_timeout):
-                ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
+            with reader.tier.breaker.guard():  # open: this layer fails at once, without a wait
+                async with asyncio.timeout(self._sources.read_timeout):
+                    ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
+        except TierSkipped:
+            raise PrefetchError(
+                f"layer {layer} of {where} skipped: the tier's circuit breaker is open", chunk=chunk
+            ) from None
         except TimeoutError:
             reader.tier.stats.timeouts += 1
             raise PrefetchError(f"layer {layer} of {where} timed out", chunk=chunk) from None

@@ -43,6 +43,7 @@ from kvstore.layout import KVLayout
 from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker
 from kvstore.sizing.advice import Advice, CostModel, Policy, advise
 from kvstore.sizing.mrc import ReuseProfile
+from kvstore.storage.breaker import CircuitBreaker
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.tier import ChunkTier
 
@@ -77,6 +78,8 @@ class KVStore:
         self._held_back = HeldBack(2 * self.pool.max_slots)
         self._auto: AutoMode | None = None  # made at open(), with the tracker
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
+        for tier in self.tiers:  # each tier's circuit breaker, as configured (kvstore.storage.breaker)
+            tier.breaker = CircuitBreaker(tier.name, **config.breaker.model_dump())
         self._counters = {  # what the engine asked: stats()["store"], the kvstore_* counters
             "puts": 0,
             "put_rejected": 0,
@@ -264,7 +267,7 @@ class KVStore:
                 end_of_write = releaser(self.pool, [slot for _, slot in batch])
                 timeout = self.config.timeouts.put * len(batch)
                 outcomes = await self._operations.bounded(
-                    write, timeout, tier.name, tier.stats, tier.latency.write, end_of_write
+                    write, timeout, tier, tier.latency.write, end_of_write, writes=len(batch)
                 )
                 for (key, _), outcome in zip(batch, outcomes, strict=True):
                     if outcome is not None:

@@ -19,13 +19,14 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvstore.backends.base import Backend, ObjectFile, ObjectRead, ObjectWrite
 from kvstore.codecs import CodecPipeline
 from kvstore.errors import ChunkFormatError, ConfigError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
+from kvstore.storage.breaker import CircuitBreaker, note_failure
 from kvstore.storage.container import (
     ChunkHeader,
     decode_chunk,
@@ -70,6 +71,7 @@ class ChunkTier:
         self.name = backend.name
         self.stats = TierStats()
         self.latency = TierLatency()  # fed by KVStore, which times each operation it waits for
+        self.breaker = CircuitBreaker(self.name)  # the store replaces it with one configured from [breaker]
         self.executor = executor  # where encoding, decoding and checksums run (and a local backend's batches)
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
@@ -113,6 +115,7 @@ class ChunkTier:
                 raise outcome
             if isinstance(outcome, BaseException):
                 self.stats.errors += 1
+                note_failure()  # the tier's fault, not the object's: its breaker counts it
                 results.append(outcome)
                 continue
             if outcome is None:
@@ -160,6 +163,7 @@ class ChunkTier:
             raise outcome
         if isinstance(outcome, BaseException):  # I/O errors, a server gone: a miss, counted
             self.stats.errors += 1
+            note_failure()  # the tier's fault, not the object's: its breaker counts it
             log.warning("%s tier: read of %s failed: %r", self.name, key[:16], outcome)
             return False
         if outcome is None:
@@ -353,6 +357,7 @@ class ChunkTier:
             await self.backend.delete(key)
         except Exception as delete_error:
             self.stats.errors += 1
+            note_failure()  # the tier's fault, not the object's: its breaker counts it
             log.warning("%s tier: could not remove %s: %r", self.name, key[:16], delete_error)
 
     async def prefix_count(self, keys: list[ChunkKey]) -> int:
@@ -361,12 +366,13 @@ class ChunkTier:
             return await self.backend.prefix_count(keys)
         except Exception as exc:
             self.stats.errors += 1
+            note_failure()  # the tier's fault, not the object's: its breaker counts it
             log.warning("%s tier: lookup failed: %r", self.name, exc)
             return 0
 
-    def stats_dict(self) -> dict[str, int | float | str]:
-        """The tier's counters, then the backend's own figures (the tier's win a name clash)."""
-        return {**self.backend.stats(), **self.stats.as_dict(), "codec": self.codec.id}
+    def stats_dict(self) -> dict[str, Any]:
+        """The tier's counters, then the backend's own figures (the tier's win a name clash), and its breaker's."""
+        return {**self.backend.stats(), **self.stats.as_dict(), "codec": self.codec.id, "breaker": self.breaker.stats()}
 
 
 def _split(items: list[T], groups: int) -> list[list[T]]:

@@ -1,0 +1,209 @@
+"""A circuit breaker per tier: a dead or frozen tier is skipped instead of costing every call a timeout.
+
+Without it, a stopped server costs each request that asks it one full timeout (5 s by default),
+forever. With it, after ``failures`` consecutive failed operations the tier is *open*: it is not
+asked at all (reads and lookups are misses, writes are dropped, each counted) for a back-off
+period. When that has passed, exactly one operation is let through as a probe (*half-open*;
+every other caller still skips the tier): a success closes the breaker, a failure opens it
+again for twice the back-off, up to ``backoff_max``.
+
+Contract:
+
+- A *failure* is a timeout or an error of the tier or its server (connection refused, I/O
+  error). A miss is a success, and so is a corrupt or foreign object: that is the object's
+  fault, not the tier's. Tier code reports errors with :func:`note_failure`; the caller that
+  waits for the operation reports timeouts, inside :meth:`CircuitBreaker.guard`.
+- A success resets the count of consecutive failures, and closes a half-open breaker (the
+  back-off starts again from ``backoff``).
+- The log gets exactly one line when the breaker opens and one when it closes: never one per
+  skipped call, nor one per failed probe.
+- One breaker belongs to one event loop (not thread-safe); :meth:`stats` may be read from
+  another thread (a metrics scrape): it reads plain fields.
+
+The clock is injectable, so tests of the state machine need no sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Literal
+
+from kvstore.errors import TierSkipped
+
+log = logging.getLogger("kvstore.breaker")
+State = Literal["closed", "open", "half-open"]
+STATES: tuple[State, ...] = ("closed", "open", "half-open")
+
+
+@dataclass
+class _Attempt:
+    """One guarded operation: whether the tier code below it noted a failure, or its caller excused one."""
+
+    failed: bool = False
+    excused: bool = False  # the caller cut the operation short (less than its timeout): not the tier's fault
+
+
+_attempt: ContextVar[_Attempt | None] = ContextVar("kvstore_breaker_attempt", default=None)
+
+
+def note_failure() -> None:
+    """The tier or its server failed the operation under way (an I/O or connection error).
+
+    Called where the tier counts an error. It marks the guarded operation whose task (or a task
+    started from it) is running, so concurrent operations on the same tier never take the blame
+    for each other. Outside a guarded operation it does nothing.
+    """
+    attempt = _attempt.get()
+    if attempt is not None:
+        attempt.failed = True
+
+
+class CircuitBreaker:
+    """The state of one tier (see the module docstring for the contract)."""
+
+    def __init__(
+        self,
+        tier: str,
+        failures: int = 3,
+        backoff: float = 1.0,
+        backoff_max: float = 60.0,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failures < 1 or backoff <= 0 or backoff_max < backoff:
+            raise ValueError(
+                f"circuit breaker: need failures >= 1 and 0 < backoff <= backoff_max, "
+                f"got {failures}, {backoff}, {backoff_max} (see the [breaker] section of the config)"
+            )
+        self.tier = tier
+        self.enabled = enabled
+        self.failures, self.backoff, self.backoff_max = failures, backoff, backoff_max
+        self.clock = clock  # injectable: tests drive the back-off without sleeping
+        self.state: State = "closed"
+        self._consecutive = 0  # failures in a row while closed
+        self._wait = backoff  # the back-off of the next (or current) open period
+        self._retry_at = 0.0  # when an open breaker lets a probe through
+        self.opens = 0
+        self.skipped_reads = 0  # reads, lookups and layer reads not attempted while open
+        self.skipped_writes = 0  # chunks not written while open
+
+    # -- the state machine ---------------------------------------------------------------------
+
+    def admit(self) -> bool:
+        """May an operation go to the tier now? False: skip it (and count it, see :meth:`skip`).
+
+        Closed: yes. Open: no, until the back-off has passed; then this caller is the probe and
+        the breaker turns half-open. Half-open: no (the probe is under way).
+        """
+        if not self.enabled or self.state == "closed":
+            return True
+        if self.state == "open" and self.clock() >= self._retry_at:
+            self.state = "half-open"
+            return True
+        return False
+
+    def success(self) -> None:
+        """The tier answered (a hit or a miss): reset the count; a probe's success closes the breaker."""
+        self._consecutive = 0
+        if self.state != "closed":
+            self.state = "closed"
+            self._wait = self.backoff
+            log.warning("%s tier: circuit breaker closed: the tier answers again", self.tier)
+
+    def failure(self) -> None:
+        """The tier failed (a timeout or an error): the ``failures``-th in a row, or a failed probe, opens it."""
+        if not self.enabled:
+            return
+        if self.state == "half-open":  # the probe failed: back off longer, without a new log line
+            self._wait = min(self._wait * 2, self.backoff_max)
+            self._open()
+            return
+        self._consecutive += 1
+        if self.state == "closed" and self._consecutive >= self.failures:
+            self._open()
+            self.opens += 1
+            log.warning(
+                "%s tier: circuit breaker open after %d consecutive failure(s): the tier is skipped (reads miss, "
+                "writes are dropped), probed again after %gs, the back-off doubling up to %gs",
+                self.tier,
+                self._consecutive,
+                self._wait,
+                self.backoff_max,
+            )
+
+    def abandon(self) -> None:
+        """The probe ended without an answer (its caller was cancelled): let the next caller probe at once."""
+        if self.state == "half-open":
+            self.state = "open"
+            self._retry_at = self.clock()
+
+    def _open(self) -> None:
+        self.state = "open"
+        self._retry_at = self.clock() + self._wait
+
+    def skip(self, writes: int = 0) -> None:
+        """Count an operation not attempted: ``writes`` chunks not written, or (0) a read or lookup."""
+        if writes:
+            self.skipped_writes += writes
+        else:
+            self.skipped_reads += 1
+
+    # -- for callers that wait on a tier -------------------------------------------------------
+
+    @contextmanager
+    def guard(self, writes: int = 0, on_skip: Callable[[], None] | None = None) -> Iterator[_Attempt]:
+        """Run one tier operation under the breaker; if it is open, count the skip, call ``on_skip``, raise
+        :class:`TierSkipped`.
+
+        An exception out of the block (a timeout, say) or a failure the tier noted inside it
+        (:func:`note_failure`) is a failure; the block ending normally otherwise is a success;
+        a cancellation counts neither way (a cancelled probe lets the next caller probe), nor does
+        an exception the caller marked ``excused`` on the attempt it gets (a timeout it cut short).
+        Tasks created inside the block see its note: create the operation's task there.
+        """
+        if not self.admit():
+            self.skip(writes)
+            if on_skip is not None:
+                on_skip()
+            raise TierSkipped(self.tier)
+        probe = self.state == "half-open"  # only the probe is admitted while half-open
+        attempt = _Attempt()
+        token = _attempt.set(attempt)
+        try:
+            yield attempt
+        except asyncio.CancelledError:
+            self._settle(probe, attempt.failed, cancelled=True)
+            raise
+        except BaseException:
+            self._settle(probe, failed=not attempt.excused, cancelled=attempt.excused)
+            raise
+        finally:
+            _attempt.reset(token)
+        self._settle(probe, attempt.failed)
+
+    def _settle(self, probe: bool, failed: bool, cancelled: bool = False) -> None:
+        """One guarded operation's outcome. A late failure of an operation admitted before the
+        breaker opened changes nothing (the tier is already skipped); a cancelled probe is retried."""
+        if failed and (probe or self.state == "closed"):
+            self.failure()
+        elif failed or cancelled:
+            if probe:
+                self.abandon()
+        else:
+            self.success()
+
+    def stats(self) -> dict[str, int | str]:
+        """``stats()[tier]["breaker"]``: the state, how often it opened, what it skipped."""
+        return {
+            "state": self.state,
+            "opens": self.opens,
+            "skipped_reads": self.skipped_reads,
+            "skipped_writes": self.skipped_writes,
+        }

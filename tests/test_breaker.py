@@ -1,0 +1,305 @@
+"""The circuit breaker per tier (kvstore.storage.breaker): its state machine on a fake clock, its config,
+and how the store uses it (pure engine logic, on an in-memory backend; a real frozen server is in
+test_remote_faults.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.codecs import make_codec
+from kvstore.engine import metrics
+from kvstore.engine.operations import TierOperations
+from kvstore.errors import ConfigError, TierSkipped, TierTimeout
+from kvstore.storage.breaker import CircuitBreaker, note_failure
+from kvstore.storage.stats import Histogram, TierStats
+from kvstore.storage.tier import ChunkTier
+from kvstore.testing.memory import MemoryBackend
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=32)
+
+
+class Clock:
+    """Time that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(clock: Clock, failures: int = 3, backoff: float = 1.0, backoff_max: float = 8.0) -> CircuitBreaker:
+    return CircuitBreaker("redis", failures, backoff, backoff_max, clock=clock)
+
+
+def lines(caplog: pytest.LogCaptureFixture, word: str) -> int:
+    return sum(f"circuit breaker {word}" in record.getMessage() for record in caplog.records)
+
+
+def test_opens_after_n_consecutive_failures_and_skips_during_the_backoff(caplog) -> None:
+    clock = Clock()
+    cb = breaker(clock)
+    cb.failure()
+    cb.failure()
+    cb.success()  # a success (a miss counts as one) resets the count
+    cb.failure()
+    cb.failure()
+    assert cb.state == "closed" and cb.admit()
+    cb.failure()
+    assert cb.state == "open" and cb.opens == 1
+    for _ in range(100):
+        assert not cb.admit()
+        cb.skip()
+    cb.skip(writes=8)
+    clock.now += 0.999
+    assert not cb.admit()
+    assert cb.stats() == {"state": "open", "opens": 1, "skipped_reads": 100, "skipped_writes": 8}
+    assert lines(caplog, "open") == 1  # one line when it opens, none per skipped call
+
+
+def test_one_probe_after_the_backoff_and_its_success_closes(caplog) -> None:
+    clock = Clock()
+    cb = breaker(clock, failures=1)
+    cb.failure()
+    clock.now += 1.0
+    assert cb.admit()  # this caller is the probe
+    assert cb.state == "half-open"
+    assert [cb.admit() for _ in range(5)] == [False] * 5  # every other caller still skips the tier
+    cb.success()
+    assert cb.state == "closed" and cb.admit() and cb.admit()
+    assert (lines(caplog, "open"), lines(caplog, "closed")) == (1, 1)
+
+
+def test_each_failed_probe_doubles_the_backoff_up_to_the_cap(caplog) -> None:
+    clock = Clock()
+    cb = breaker(clock, failures=1, backoff=1.0, backoff_max=8.0)
+    cb.failure()
+    waits = []
+    for _ in range(6):
+        opened_at, wait = clock.now, 0.0
+        while not cb.admit():
+            clock.now += 0.25
+            wait += 0.25
+        assert clock.now - opened_at == wait
+        waits.append(wait)
+        cb.failure()  # the probe failed: open again, for longer
+        assert cb.state == "open"
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert cb.opens == 1 and lines(caplog, "open") == 1  # a failed probe logs nothing more
+    clock.now += 8.0
+    assert cb.admit()
+    cb.success()  # closed: the next opening starts from `backoff` again
+    cb.failure()
+    clock.now += 1.0
+    assert cb.admit()
+    assert (cb.opens, lines(caplog, "open"), lines(caplog, "closed")) == (2, 2, 1)
+
+
+def test_disabled_breaker_never_opens() -> None:
+    cb = CircuitBreaker("s3", 1, enabled=False, clock=Clock())
+    for _ in range(10):
+        cb.failure()
+    assert cb.state == "closed" and cb.admit()
+
+
+async def test_guard_counts_timeouts_and_noted_errors_not_misses() -> None:
+    clock = Clock()
+    cb = breaker(clock, failures=2)
+
+    async def answer(fail: bool) -> None:
+        if fail:
+            note_failure()  # what ChunkTier does where it counts an error
+
+    with cb.guard():
+        await asyncio.ensure_future(answer(fail=True))  # a task made inside the guard reports to it
+    with pytest.raises(TimeoutError), cb.guard():
+        raise TimeoutError
+    assert cb.state == "open"
+    skipped = []
+    with pytest.raises(TierSkipped), cb.guard(writes=3, on_skip=lambda: skipped.append(1)):
+        pytest.fail("an open breaker must not run the operation")
+    assert skipped == [1] and cb.skipped_writes == 3
+    clock.now += 1.0
+    with cb.guard():  # the probe: a miss (no noted failure) is an answer
+        await answer(fail=False)
+    assert cb.state == "closed"
+
+
+async def test_a_failure_is_blamed_on_its_own_operation_only() -> None:
+    """Concurrent operations on one tier: one that fails must not count against the others."""
+    cb = breaker(Clock(), failures=2)
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def healthy() -> None:
+        with cb.guard():
+            started.set()
+            await go.wait()
+
+    async def failing() -> None:
+        with cb.guard():
+            await started.wait()
+            note_failure()
+        go.set()
+
+    await asyncio.gather(healthy(), failing(), healthy())
+    assert cb.state == "closed"  # blamed on all three, it would have opened
+    cb.failure()
+    assert cb.state == "closed"  # the healthy ones answered after the failure: the count starts again
+
+
+async def test_a_cancelled_probe_lets_the_next_caller_probe() -> None:
+    clock = Clock()
+    cb = breaker(clock, failures=1)
+    cb.failure()
+    clock.now += 1.0
+    hang = asyncio.Event()
+
+    async def probe() -> None:
+        with cb.guard():
+            await hang.wait()
+
+    task = asyncio.create_task(probe())
+    await asyncio.sleep(0)
+    assert cb.state == "half-open"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert cb.state == "open" and cb.admit()  # not stuck half-open
+
+
+def test_config_defaults_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    section = StoreConfig().breaker
+    assert (section.enabled, section.failures, section.backoff, section.backoff_max) == (True, 3, 1.0, 60.0)
+    with pytest.raises(ConfigError, match=r"breaker.backoff_max .* must be at least breaker.backoff"):
+        StoreConfig(breaker={"backoff": 10, "backoff_max": 5})
+    with pytest.raises(ConfigError, match=r"breaker.failures = 0: .*greater than or equal to 1"):
+        StoreConfig(breaker={"failures": 0})
+    with pytest.raises(ConfigError, match=r"breaker.backoff = -1"):
+        StoreConfig(breaker={"backoff": -1})
+    with pytest.raises(ConfigError, match=r"breaker.backoff_max = inf: .*finite"):  # never probed again
+        StoreConfig(breaker={"backoff_max": float("inf")})
+    with pytest.raises(ConfigError, match=r"breaker.backoff_max = 86400.*less than or equal to 3600"):
+        StoreConfig(breaker={"backoff_max": 86400})
+    with pytest.raises(ConfigError, match="did you mean 'breaker.failures'"):
+        StoreConfig(breaker={"failure": 2})
+    monkeypatch.setenv("KVSTORE_BREAKER__BACKOFF_MAX", "30")
+    assert StoreConfig().breaker.backoff_max == 30.0
+    monkeypatch.setenv("KVSTORE_BREAKER__BACKOF", "2")
+    with pytest.raises(ConfigError, match="did you mean KVSTORE_BREAKER__BACKOFF"):
+        StoreConfig()
+
+
+class DeadServer(MemoryBackend):
+    """A backend whose server refuses every request (connection refused), counting what reaches it."""
+
+    name = "dead"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def fetch(self, key, byte_range):
+        self.calls += 1
+        raise ConnectionRefusedError("server down")
+
+    async def set(self, key, parts):
+        self.calls += 1
+        raise ConnectionRefusedError("server down")
+
+    async def exists(self, key):
+        self.calls += 1
+        raise ConnectionRefusedError("server down")
+
+
+def two_tiers(dead: DeadServer, below: MemoryBackend) -> list[ChunkTier]:
+    return [ChunkTier(backend, make_codec("identity"), LAYOUT, None) for backend in (dead, below)]
+
+
+def store_config() -> StoreConfig:
+    return StoreConfig(
+        dram={"capacity": 8 * LAYOUT.chunk_nbytes},
+        disk={"enabled": False},
+        breaker={"failures": 2, "backoff": 60, "backoff_max": 60},  # no probe during the test
+    )
+
+
+CHUNK = torch.ones(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+
+
+async def test_store_stops_asking_a_failing_tier_and_says_so_in_stats_and_metrics(caplog) -> None:
+    objects: dict[str, bytes] = {}
+    writer_dead = DeadServer()
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(writer_dead, MemoryBackend(objects))) as w:
+        keys = w.chunk_keys(list(range(5 * LAYOUT.chunk_tokens)))
+        for key in keys[:2]:  # one write batch each, both failing on the dead tier: it opens
+            assert await w.put(key, CHUNK)
+            await w.flush()
+        assert w.stats()["dead"]["breaker"]["state"] == "open"
+        calls = writer_dead.calls
+        for key in keys[2:]:
+            assert await w.put(key, CHUNK)
+        await w.flush()
+        assert writer_dead.calls == calls and len(objects) == 5  # dropped above, written below
+        assert w.stats()["dead"]["breaker"] == {"state": "open", "opens": 1, "skipped_reads": 0, "skipped_writes": 3}
+
+    dead = DeadServer()
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(dead, MemoryBackend(objects))) as store:
+        assert await store.lookup(keys) == 5  # the dead tier fails (once), the tier below answers
+        assert await store.lookup(keys) == 5  # twice: open
+        calls = dead.calls
+        got = await store.get_many(keys[:3])  # read from the tier below, without asking the dead one
+        assert all(kv is not None and torch.equal(kv, CHUNK) for kv in got)
+        async with store.prefetch(keys[3:]) as stream:  # layer streams skip it too
+            layers = [kv async for _, kv in stream]
+        assert all(torch.equal(kv, CHUNK[layer].repeat(1, 2, 1, 1)) for layer, kv in enumerate(layers))
+        await store.flush()  # the promotions' writes to the faster (dead) tier: dropped
+        assert dead.calls == calls, "an open breaker must keep every call away from the tier"
+        stats = store.stats()
+        assert stats["dead"]["breaker"] == {"state": "open", "opens": 1, "skipped_reads": 2, "skipped_writes": 3}
+        assert stats["memory"]["breaker"]["state"] == "closed"
+        families = {family.name: family for family in metrics.KVStoreCollector()._families([store])}
+    assert sum("circuit breaker open" in r.getMessage() for r in caplog.records) == 2  # one per store
+    opens = {s.labels["tier"]: s.value for s in families["kvstore_tier_breaker_opens"].samples}
+    assert opens == {"dead": 1, "memory": 0}
+    skipped = {s.labels["tier"]: s.value for s in families["kvstore_tier_breaker_skipped_reads"].samples}
+    assert skipped == {"dead": 2, "memory": 0}
+    state = {(s.labels["tier"], s.labels["state"]): s.value for s in families["kvstore_tier_breaker_state"].samples}
+    assert state == {
+        ("dead", "closed"): 0, ("dead", "open"): 1, ("dead", "half-open"): 0,
+        ("memory", "closed"): 1, ("memory", "open"): 0, ("memory", "half-open"): 0,
+    }  # fmt: skip
+
+
+async def test_corrupt_objects_are_not_failures_of_their_tier(caplog) -> None:
+    """A corrupt object is the object's fault: however many there are, the tier stays in use."""
+    objects: dict[str, bytes] = {}
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(DeadServer(), MemoryBackend(objects))) as w:
+        keys = w.chunk_keys(list(range(4 * LAYOUT.chunk_tokens)))
+        for key in keys:
+            assert await w.put(key, CHUNK)
+        await w.flush()
+    for name, data in objects.items():
+        objects[name] = data[:-1] + bytes([data[-1] ^ 0xFF])
+    tier = ChunkTier(MemoryBackend(objects), make_codec("identity"), LAYOUT, None)
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=[tier]) as store:
+        for key in keys:  # one read each: four corrupt objects in a row
+            assert await store.get(key) is None
+        assert store.stats()["memory"]["corrupt"] == 4
+        assert store.stats()["memory"]["breaker"]["state"] == "closed"
+
+
+async def test_a_timeout_cut_short_by_the_calls_deadline_is_not_the_tiers_failure() -> None:
+    """get_many and lookup share one deadline across tiers: a tier left less than its fair share of it
+    (blame=False) that times out was cut short by the tiers before it, and must not open its breaker."""
+    tier = SimpleNamespace(name="redis", stats=TierStats(), breaker=breaker(Clock(), failures=1))
+    operations, never = TierOperations(), asyncio.Event()
+    with pytest.raises(TierTimeout):
+        await operations.bounded(never.wait(), 0.001, tier, Histogram(), blame=False)
+    assert tier.breaker.state == "closed" and tier.stats.timeouts == 1  # counted as a timeout, not a failure
+    with pytest.raises(TierTimeout):
+        await operations.bounded(never.wait(), 0.001, tier, Histogram())
+    assert tier.breaker.state == "open"
