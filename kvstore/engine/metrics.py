@@ -66,18 +66,9 @@ COUNTERS = {
         "valid objects this store cannot open (another layout, encryption key or codec; left in place)",
     ),
     ("tier", "skipped"): ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
-    ("breaker", "opens"): (
-        "kvstore_tier_breaker_opens",
-        "times the tier's circuit breaker opened (the tier kept failing)",
-    ),
-    ("breaker", "skipped_reads"): (
-        "kvstore_tier_breaker_skipped_reads",
-        "reads and lookups not sent to the tier while its circuit breaker was open (each a miss)",
-    ),
-    ("breaker", "skipped_writes"): (
-        "kvstore_tier_breaker_skipped_writes",
-        "chunks not written to the tier while its circuit breaker was open",
-    ),
+    ("breaker", "opens"): ("kvstore_tier_breaker_opens", "times the tier's circuit breaker opened"),
+    ("breaker", "skipped_reads"): ("kvstore_tier_breaker_skipped_reads", "reads and lookups skipped: breaker open"),
+    ("breaker", "skipped_writes"): ("kvstore_tier_breaker_skipped_writes", "chunks not written: breaker open"),
     ("adaptive", "decisions"): ("kvstore_auto_decisions", "sizing decisions auto mode made"),
     ("adaptive", "resizes"): ("kvstore_auto_resizes", "DRAM resizes auto mode made"),
     ("adaptive", "policy_switches"): ("kvstore_auto_policy_switches", "write policy changes auto mode made"),
