@@ -15,7 +15,7 @@ from kvstore.codecs import make_codec
 from kvstore.engine import metrics
 from kvstore.engine.operations import TierOperations
 from kvstore.errors import ConfigError, TierSkipped, TierTimeout
-from kvstore.storage.breaker import CircuitBreaker, note_failure
+from kvstore.storage.breaker import CircuitBreaker, note_failure, unreachable
 from kvstore.storage.stats import Histogram, TierStats
 from kvstore.storage.tier import ChunkTier
 from kvstore.testing.memory import MemoryBackend
@@ -303,3 +303,89 @@ async def test_a_timeout_cut_short_by_the_calls_deadline_is_not_the_tiers_failur
     with pytest.raises(TierTimeout):
         await operations.bounded(never.wait(), 0.001, tier, Histogram())
     assert tier.breaker.state == "open"
+
+
+def test_unreachable_tells_a_server_gone_from_a_request_refused() -> None:
+    import errno
+
+    import redis.exceptions
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    gone = [
+        ConnectionRefusedError("refused"),
+        TimeoutError(),
+        redis.exceptions.ConnectionError("Error 111 connecting"),
+        redis.exceptions.TimeoutError("Timeout reading from socket"),
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
+    ]
+    refused = [
+        redis.exceptions.ResponseError("OOM command not allowed when used memory > 'maxmemory'"),
+        ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}}, "PutObject"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        ValueError("bad"),
+    ]
+    assert [unreachable(error) for error in gone] == [True] * len(gone)
+    assert [unreachable(error) for error in refused] == [False] * len(refused)
+    try:
+        try:
+            raise ConnectionResetError("reset")
+        except ConnectionResetError as cause:
+            raise RuntimeError("redis GET failed") from cause
+    except RuntimeError as wrapped:
+        assert unreachable(wrapped)  # a backend's wrapper: its cause decides
+
+
+class FullServer(DeadServer):
+    """A server that answers every write with a refusal (Redis at maxmemory) and serves reads."""
+
+    name = "full"
+
+    async def fetch(self, key, byte_range):
+        self.calls += 1
+        return await MemoryBackend.fetch(self, key, byte_range)
+
+    async def exists(self, key):
+        self.calls += 1
+        return await MemoryBackend.exists(self, key)
+
+    async def set(self, key, parts):
+        self.calls += 1
+        raise RuntimeError("OOM command not allowed when used memory > 'maxmemory'")
+
+
+async def test_writes_the_server_refuses_leave_its_reads_alone() -> None:
+    """A Redis at maxmemory refuses every SET but serves every GET: its breaker must stay closed."""
+    full = FullServer()
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(full, MemoryBackend({}))) as store:
+        keys = store.chunk_keys(list(range(4 * LAYOUT.chunk_tokens)))
+        for key in keys:  # one failing write batch each: four refusals in a row
+            assert await store.put(key, CHUNK)
+            await store.flush()
+        assert store.stats()["full"]["errors"] == 4
+        assert store.stats()["full"]["breaker"]["state"] == "closed"
+
+
+async def test_a_corrupt_object_it_cannot_remove_is_not_a_failure_of_its_tier() -> None:
+    """Read-only credentials: each corrupt read's removal fails, and the tier still serves the rest."""
+
+    class ReadOnly(MemoryBackend):
+        name = "readonly"
+
+        async def delete(self, key):
+            raise PermissionError("read-only credentials")
+
+    objects: dict[str, bytes] = {}
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(DeadServer(), MemoryBackend(objects))) as w:
+        keys = w.chunk_keys(list(range(4 * LAYOUT.chunk_tokens)))
+        for key in keys:
+            assert await w.put(key, CHUNK)
+        await w.flush()
+    for key in keys[:3]:
+        objects[key] = objects[key][:-1] + bytes([objects[key][-1] ^ 1])  # a payload byte flipped
+    tier = ChunkTier(ReadOnly(objects), make_codec("identity"), LAYOUT, None)
+    async with KVStore(store_config(), LAYOUT, "breaker", tiers=[tier]) as store:
+        for key in keys[:3]:
+            assert await store.get(key) is None
+        assert store.stats()["readonly"]["corrupt"] == 3
+        assert store.stats()["readonly"]["breaker"]["state"] == "closed"
+        assert torch.equal(await store.get(keys[3]), CHUNK)

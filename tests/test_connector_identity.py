@@ -61,6 +61,33 @@ def test_an_untouched_checkpoint_is_not_read_again(tmp_path, monkeypatch, digest
     assert weights_fingerprint(model) == first and reads == []
 
 
+def test_training_leftovers_are_not_part_of_the_identity(tmp_path):
+    model = write_checkpoint(tmp_path / "model", [1.0, 2.0])
+    before = weights_fingerprint(model)
+    (model / "optimizer.pt").write_bytes(os.urandom(4096))  # a Trainer checkpoint's extras: never loaded
+    (model / "rng_state_0.pth").write_bytes(os.urandom(64))
+    assert weights_fingerprint(model) == before
+
+
+def test_a_hugging_face_cache_file_is_named_by_its_blob_without_reading_it(tmp_path, monkeypatch):
+    """A snapshot entry links to blobs/<sha256>: the name is the content hash, so nothing is read."""
+    source = write_checkpoint(tmp_path / "source", [1.0, 2.0])
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name, sha in (("model.safetensors", "a" * 64), ("config.json", "b" * 40)):
+        (blobs / sha).write_bytes((source / name).read_bytes())
+        (snapshot / name).symlink_to(blobs / sha)
+    reads: list[Path] = []
+    monkeypatch.setattr(identity, "file_digest", lambda path: reads.append(path) or "x")
+    first = weights_fingerprint(snapshot)
+    assert reads == []
+    (blobs / ("c" * 64)).write_bytes((source / "model.safetensors").read_bytes())
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(blobs / ("c" * 64))  # a new revision's weights
+    assert weights_fingerprint(snapshot) != first and reads == []
+
+
 def test_the_settings_and_the_revision_are_part_of_the_identity(tmp_path):
     model = str(write_checkpoint(tmp_path / "model", [1.0]))
     base = model_identity(model, {"dtype": "float16"})

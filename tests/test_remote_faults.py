@@ -228,7 +228,7 @@ async def test_breaker_skips_a_frozen_redis_above_s3_and_a_probe_closes_it(
             # frozen Redis, a miss); the other skips Redis at once and S3 serves it.
             now[0] += 0.2
             got = await asyncio.gather(reader.get(keys[6]), reader.get(keys[7]))
-            assert all(kv is None or same(kv, chunk(i)) for kv, i in zip(got, (6, 7))), reader.stats()
+            assert all(kv is None or same(kv, chunk(i)) for kv, i in zip(got, (6, 7), strict=True)), reader.stats()
             assert sum(kv is not None for kv in got) >= 1, reader.stats()
             await reader.flush()
             stats = reader.stats()["redis"]

@@ -17,6 +17,10 @@ What is hashed (:func:`weights_fingerprint`):
 - the JSON files that shape the model or its weights: ``config.json``, ``*.index.json``, the
   quantization configs (tokenizer files do not change the KV of a given token sequence).
 
+Not read: what a training run leaves beside the weights (``optimizer.pt``, ``rng_state*.pth``,
+...: never loaded, often larger than the model), and a Hugging Face cache file, whose snapshot
+entry links to ``blobs/<sha256>`` (or git sha1): that name already is its content hash.
+
 A file's digest is cached in ``$XDG_CACHE_HOME/kvstore/weights.json`` (default ``~/.cache``)
 under its path, size, inode, mtime and ctime: a restart hashes nothing again, and any rewrite,
 copy or rename over the file changes its ctime (which no tool can set back), so a stale digest
@@ -33,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +68,21 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Files a training run leaves beside the weights: never loaded by an engine, often larger than the model.
+TRAINING_FILES = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "training_args.bin", "rng_state")
+_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def _content_name(path: Path) -> str | None:
+    """A Hugging Face cache file's content hash, free: its snapshot entry links to ``blobs/<sha256 or git sha1>``."""
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    if target.parent.name == "blobs" and _BLOB_NAME.fullmatch(target.name):
+        return target.name
+    return None
+
+
 def _stat_key(path: Path) -> str:
     st = path.stat()
     return f"{path.resolve()}|{st.st_size}|{st.st_dev}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
@@ -76,6 +96,7 @@ def _checkpoint_files(root: Path) -> list[Path]:
         for path in root.iterdir()
         if path.is_file()
         and (path.name.endswith(WEIGHT_SUFFIXES) or path.name in CONFIG_FILES or path.name.endswith(".index.json"))
+        and not path.name.startswith(TRAINING_FILES)
     ]
     return sorted(files)
 
@@ -97,7 +118,9 @@ def weights_fingerprint(path: str | os.PathLike[str]) -> str:
         cached = {}
     if not isinstance(cached, dict):  # not ours, or damaged: start over
         cached = {}
-    files = {file: _stat_key(file) for file in _checkpoint_files(root)}
+    checkpoint = _checkpoint_files(root)
+    named = {file: name for file in checkpoint if (name := _content_name(file)) is not None}
+    files = {file: _stat_key(file) for file in checkpoint if file not in named}
     cached.update({key: _DIGESTS[key] for key in files.values() if key in _DIGESTS and key not in cached})
     new = [file for file, key in files.items() if key not in cached]
     digests = {key: cached[key] for key in files.values() if key in cached}
@@ -110,15 +133,15 @@ def weights_fingerprint(path: str | os.PathLike[str]) -> str:
         _write_cache(store, cached)
     _DIGESTS.update({key: cached[key] for key in files.values() if key in cached})
     total = hashlib.blake2b(digest_size=20)
-    for file, key in files.items():
-        total.update(f"{file.name}={digests[key]}\n".encode())
+    for file in checkpoint:
+        total.update(f"{file.name}={named[file] if file in named else digests[files[file]]}\n".encode())
     return total.hexdigest()
 
 
 def _write_cache(store: Path, cached: dict[str, str]) -> None:
     entries = dict(list(cached.items())[-CACHE_ENTRIES:])
     try:
-        store.parent.mkdir(parents=True, exist_ok=True)
+        store.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(dir=store.parent, prefix=".weights-")
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f)

@@ -3,7 +3,9 @@
 An engine asks for a prefix of chunks and must get an answer within ``timeouts.get``, however
 many chunks the prefix has and however many tiers the call visits: a frozen archive under a
 32-chunk prefix must cost one timeout, not 32. So each call gets one :class:`Deadline`, and
-every tier operation it starts waits only for what is left of it.
+every tier operation it starts waits only for what is left of it. A tier with others below it
+may take at most half of the call's time: a frozen Redis above S3 then leaves S3 the other half
+to serve the chunk, instead of spending the whole call on the frozen tier.
 
 Loading needs DRAM slots to read into (the read's memory must stay valid until the read really
 ends, even past a timeout, see :mod:`kvstore.engine.operations`). A call does not need a slot
@@ -37,13 +39,19 @@ class Deadline:
         self.seconds = seconds
         self._end = self._loop.time() + seconds
 
-    def fair(self, remaining: float) -> bool:
-        """Whether a tier given ``remaining`` seconds had a fair share of the call's time (half or more).
+    def allowance(self, last: bool) -> float:
+        """Seconds one tier may take now: all that is left for the ``last`` tier, at most half the call's
+        time for a tier above others, so a frozen tier leaves the tiers below it the other half."""
+        remaining = self.remaining()
+        return remaining if last else min(remaining, self.seconds / 2)
+
+    def fair(self, allowance: float) -> bool:
+        """Whether a tier given ``allowance`` had its fair share of the call's time (about half or more).
 
         A tier that times out with less was cut short by the tiers before it: its circuit breaker
         must not count that as the tier's failure.
         """
-        return remaining >= self.seconds / 2
+        return allowance >= 0.45 * self.seconds
 
     def remaining(self) -> float:
         """Seconds left (0 once passed)."""
@@ -82,14 +90,14 @@ class TierLoader:
         """
         gaps = [i for i, here in enumerate(in_dram) if not here]
         found = 0  # leading gaps some tier holds
-        for tier in self.tiers:
-            remaining = deadline.remaining()
-            if found == len(gaps) or remaining <= 0:
+        for position, tier in enumerate(self.tiers):
+            allowance = deadline.allowance(last=position + 1 == len(self.tiers))
+            if found == len(gaps) or allowance <= 0:
                 break
             asked = [keys[i] for i in gaps[found:]]
             try:
                 found += await self._operations.bounded(
-                    tier.prefix_count(asked), remaining, tier, tier.latency.lookup, blame=deadline.fair(remaining)
+                    tier.prefix_count(asked), allowance, tier, tier.latency.lookup, blame=deadline.fair(allowance)
                 )
             except TierTimeout:
                 continue
@@ -127,19 +135,26 @@ class TierLoader:
             progressed = False
             for position, tier in enumerate(self.tiers):
                 group = [i for i, at in next_tier.items() if at == position]
-                remaining = deadline.remaining()
-                if remaining <= 0:
+                allowance = deadline.allowance(last=position + 1 == len(self.tiers))
+                if allowance <= 0:
                     return  # what is left is a miss: the call's time is up
                 reserved = self._reserve(group)
                 if not reserved:
                     continue  # no slot now; a later round may find one freed
                 progressed = True
-                for i, ok in await self._read(tier, keys, reserved, remaining, deadline.fair(remaining)):
-                    if not ok:
-                        self.pool.release(reserved[i])  # (the read's own reference goes when it ends)
-                    elif self._take(position, keys[i], reserved[i], deliver, i):
+                outcomes = await self._read(tier, keys, reserved, allowance, deadline.fair(allowance))
+                for n, (i, ok) in enumerate(outcomes):
+                    try:
+                        taken = ok and self._take(position, keys[i], reserved[i], deliver, i)
+                    except BaseException:  # a delivery that raised (a copy to the caller's buffer): free the rest
+                        for later, _ in outcomes[n + 1 :]:
+                            self.pool.release(reserved[later])
+                        raise
+                    if taken:
                         del next_tier[i]
                         continue
+                    if not ok:
+                        self.pool.release(reserved[i])  # (the read's own reference goes when it ends)
                     if position + 1 < len(self.tiers):
                         next_tier[i] = position + 1
                     else:

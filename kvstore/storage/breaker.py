@@ -11,8 +11,10 @@ Contract:
 
 - A *failure* is a timeout or an error of the tier or its server (connection refused, I/O
   error). A miss is a success, and so is a corrupt or foreign object: that is the object's
-  fault, not the tier's. Tier code reports errors with :func:`note_failure`; the caller that
-  waits for the operation reports timeouts, inside :meth:`CircuitBreaker.guard`.
+  fault, not the tier's; so is a write the server refused while answering (see
+  :func:`unreachable`) and a failed removal of a corrupt object. Tier code reports errors
+  with :func:`note_failure`; the caller that waits for the operation reports timeouts,
+  inside :meth:`CircuitBreaker.guard`.
 - A success resets the count of consecutive failures, and closes a half-open breaker (the
   back-off starts again from ``backoff``).
 - The log gets exactly one line when the breaker opens and one when it closes: never one per
@@ -62,6 +64,35 @@ def note_failure() -> None:
     attempt = _attempt.get()
     if attempt is not None:
         attempt.failed = True
+
+
+# Client libraries' own connection-level errors, by class name: redis-py's ConnectionError and
+# TimeoutError, botocore's EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError and
+# ConnectionClosedError (matched by name so this module needs neither library).
+_UNREACHABLE = frozenset(
+    {"ConnectionError", "TimeoutError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+     "ConnectionClosedError"}
+)  # fmt: skip
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` says the tier could not be reached (refused, reset, timed out), as opposed to
+    a request its server answered with a refusal (out of memory, access denied, file system full).
+
+    Why it matters: a write refused that way says nothing about reads (a Redis at ``maxmemory``
+    still serves GETs; read-only S3 credentials still read), so it must not open the breaker
+    that reads go through. The error's causes are looked at too (a backend may wrap one).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if any(cls.__name__ in _UNREACHABLE for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class CircuitBreaker:

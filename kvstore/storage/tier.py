@@ -26,7 +26,7 @@ from kvstore.codecs import CodecPipeline
 from kvstore.errors import ChunkFormatError, ConfigError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.storage.breaker import CircuitBreaker, note_failure
+from kvstore.storage.breaker import CircuitBreaker, note_failure, unreachable
 from kvstore.storage.container import (
     ChunkHeader,
     decode_chunk,
@@ -115,7 +115,8 @@ class ChunkTier:
                 raise outcome
             if isinstance(outcome, BaseException):
                 self.stats.errors += 1
-                note_failure()  # the tier's fault, not the object's: its breaker counts it
+                if unreachable(outcome):  # a refused write (out of memory, denied, full) leaves reads alone
+                    note_failure()
                 results.append(outcome)
                 continue
             if outcome is None:
@@ -356,8 +357,7 @@ class ChunkTier:
         try:
             await self.backend.delete(key)
         except Exception as delete_error:
-            self.stats.errors += 1
-            note_failure()  # the tier's fault, not the object's: its breaker counts it
+            self.stats.errors += 1  # not a breaker failure: read-only credentials may refuse it forever
             log.warning("%s tier: could not remove %s: %r", self.name, key[:16], delete_error)
 
     async def prefix_count(self, keys: list[ChunkKey]) -> int:

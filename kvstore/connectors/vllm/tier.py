@@ -64,6 +64,12 @@ def tier_namespace(model: str, kv_dtype: str) -> str:
     current = get_current_vllm_config_or_none()
     if current is not None and current.model_config is not None and current.model_config.model == model:
         return vllm_namespace("vllm-tier", current.model_config, kv_dtype)
+    log.warning(
+        "kvstore tier: vLLM's engine config is not visible here, so the default namespace identifies %s by "
+        "its files and KV dtype only; if this engine overrides quantization, hf_overrides or rope scaling at "
+        "run time, set kvstore_namespace in kv_connector_extra_config (one namespace per such setting)",
+        model,
+    )
     return default_namespace("vllm-tier", model, {"kv_cache_dtype": kv_dtype})
 
 
