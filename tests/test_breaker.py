@@ -274,14 +274,20 @@ async def test_store_stops_asking_a_failing_tier_and_says_so_in_stats_and_metric
     }  # fmt: skip
 
 
-async def test_corrupt_objects_are_not_failures_of_their_tier(caplog) -> None:
-    """A corrupt object is the object's fault: however many there are, the tier stays in use."""
+async def four_stored_chunks() -> tuple[dict[str, bytes], list[str]]:
+    """Four chunks written to an in-memory tier (below a dead one); its objects and the keys."""
     objects: dict[str, bytes] = {}
     async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(DeadServer(), MemoryBackend(objects))) as w:
         keys = w.chunk_keys(list(range(4 * LAYOUT.chunk_tokens)))
         for key in keys:
             assert await w.put(key, CHUNK)
         await w.flush()
+    return objects, keys
+
+
+async def test_corrupt_objects_are_not_failures_of_their_tier(caplog) -> None:
+    """A corrupt object is the object's fault: however many there are, the tier stays in use."""
+    objects, keys = await four_stored_chunks()
     for name, data in objects.items():
         objects[name] = data[:-1] + bytes([data[-1] ^ 0xFF])
     tier = ChunkTier(MemoryBackend(objects), make_codec("identity"), LAYOUT, None)
@@ -374,12 +380,7 @@ async def test_a_corrupt_object_it_cannot_remove_is_not_a_failure_of_its_tier() 
         async def delete(self, key):
             raise PermissionError("read-only credentials")
 
-    objects: dict[str, bytes] = {}
-    async with KVStore(store_config(), LAYOUT, "breaker", tiers=two_tiers(DeadServer(), MemoryBackend(objects))) as w:
-        keys = w.chunk_keys(list(range(4 * LAYOUT.chunk_tokens)))
-        for key in keys:
-            assert await w.put(key, CHUNK)
-        await w.flush()
+    objects, keys = await four_stored_chunks()
     for key in keys[:3]:
         objects[key] = objects[key][:-1] + bytes([objects[key][-1] ^ 1])  # a payload byte flipped
     tier = ChunkTier(ReadOnly(objects), make_codec("identity"), LAYOUT, None)
