@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from kvstore.backends.base import (
     Backend,
@@ -54,10 +54,21 @@ log = logging.getLogger("kvstore.disk")
 T = TypeVar("T")
 
 SUFFIX = ".kvc"
-TMP_MARK = _TMP_MARK = ".tmp-"  # in every temporary name; public for kvstore gc and verify, which sweep them too
+TMP_MARK = ".tmp-"  # in every temporary name
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
 STALE_TMP_SECONDS = 600.0
 MTIME_REFRESH_SECONDS = 10.0
+
+
+def temporary_state(name: str, mtime: float, now: float) -> Literal["stale", "fresh"] | None:
+    """None for a file that is not a writer's temporary; "stale" for one older than ``STALE_TMP_SECONDS``
+    (left by a writer, or a gc, that died: no live writer owns it), else "fresh" (a write may be in progress).
+
+    The one rule a store's open and ``kvstore gc``/``verify`` sweep temporaries by.
+    """
+    if TMP_MARK not in name:
+        return None
+    return "stale" if now - mtime > STALE_TMP_SECONDS else "fresh"
 
 
 class DiskBackend(Backend):
@@ -131,8 +142,9 @@ class DiskBackend(Backend):
         now = time.time()
         for namespace, path, stat in walk_files(self.root):
             name = path.name
-            if _TMP_MARK in name:
-                if now - stat.st_mtime > STALE_TMP_SECONDS:  # left by a writer (or a gc) that died
+            temporary = temporary_state(name, stat.st_mtime, now)
+            if temporary is not None:
+                if temporary == "stale":
                     unlink_quietly(path)
                 continue
             if not (name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)])):
@@ -302,7 +314,7 @@ class DiskBackend(Backend):
 
     def _write_file(self, final: str, views: list[memoryview]) -> None:
         """Fill a private temporary file and rename it to ``final``; the temporary is removed on failure."""
-        temporary = f"{final}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        temporary = f"{final}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
         fd = self._create(temporary)
         try:
             try:
@@ -393,7 +405,7 @@ class DiskBackend(Backend):
         page: list[StoredObject] = []
         for namespace, path, stat in found:
             name = path.name
-            if _TMP_MARK in name or not name.endswith(SUFFIX) or not _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
+            if TMP_MARK in name or not name.endswith(SUFFIX) or not _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
                 continue
             version = (stat.st_ino, stat.st_mtime_ns)
             page.append(StoredObject(namespace, name[: -len(SUFFIX)], stat.st_size, stat.st_mtime, version))
@@ -427,7 +439,7 @@ class DiskBackend(Backend):
         report = RemoveReport()
         for item in items:
             path = f"{self._root_text}/{self._relative(item.key, item.namespace)}"
-            aside = f"{path}{_TMP_MARK}gc-{os.getpid()}-{secrets.token_hex(4)}"
+            aside = f"{path}{TMP_MARK}gc-{os.getpid()}-{secrets.token_hex(4)}"
             try:
                 os.rename(path, aside)
             except FileNotFoundError:

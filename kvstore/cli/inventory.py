@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
-from kvstore.backends.disk import STALE_TMP_SECONDS, TMP_MARK, DiskBackend
+from kvstore.backends.disk import DiskBackend, temporary_state
 from kvstore.backends.files import unlink_quietly, walk_files
 from kvstore.cli.console import TierUnreachable
 from kvstore.config import RedisConfig, S3Config, StoreConfig
@@ -309,9 +309,10 @@ def _sweep_temporaries(root: Path, accept: Callable[[str], bool] | None, remove:
     sweep = TemporarySweep()
     now = time.time()
     for _, path, stat in walk_files(root, accept):
-        if TMP_MARK not in path.name:
+        temporary = temporary_state(path.name, stat.st_mtime, now)
+        if temporary is None:
             continue
-        if now - stat.st_mtime <= STALE_TMP_SECONDS:
+        if temporary == "fresh":
             sweep.fresh += 1
             continue
         sweep.stale += 1
