@@ -63,12 +63,14 @@ def run_engine(
     mode: str = "connector",
     freeze_pid: int = 0,
     expect_failure: bool = False,
+    args: list[str] | None = None,
 ) -> dict[str, Any]:
     """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed."""
     out = workdir / f"report-{uuid.uuid4().hex[:8]}.json"
     command = [
         str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
         "--extra", json.dumps(extra), "--steps", steps, "--out", str(out), "--freeze-pid", str(freeze_pid),
+        *(args or []),
     ]  # fmt: skip
     result = subprocess.run(
         command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT
@@ -407,3 +409,59 @@ def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp
     assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
     assert stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS
     assert stats["redis"]["hits"] == REUSABLE_CHUNKS
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+# vLLM's CPU build runs TP=2 with one worker pinned per core. The model has 4 KV heads, so each
+# rank holds 2; chunks hold all 4 in canonical order whatever the TP degree that wrote them.
+
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_4kv(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-4kv")
+    command = [str(vllm_python), str(SUPPORT / "tiny_llama.py"), str(path), "--kv-heads", "4"]
+    subprocess.run(command, check=True, capture_output=True)
+    return path
+
+
+def remove_chunk_files(disk: Path, keys: list[str]) -> int:
+    """Delete the disk tier's files of these chunk keys (so that the next engine must find them elsewhere)."""
+    files = [path for key in keys for path in disk.rglob(f"{key}*")]
+    for path in files:
+        path.unlink()
+    return len(files)
+
+
+def test_connector_reuses_a_cache_across_tensor_parallel_degrees(vllm_python, tiny_llama_4kv, tmp_path, redis_server):
+    """TP=2 writes, TP=1 reads (from disk and from Redis); TP=1 writes, TP=2 reads (both): the same tokens."""
+    disk = tmp_path / "disk"
+    redis = {"enabled": True, "url": redis_server.url, "prefix": f"tp-{uuid.uuid4().hex[:8]}", "codec": "lz4"}
+    extra = {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"path": str(disk)}, "redis": redis}}
+
+    def engine(tp: int, steps: str) -> dict[str, Any]:
+        args = ["--tp", str(tp)]
+        return run_engine(vllm_python, tiny_llama_4kv, tmp_path, extra, steps, TP2_ENV if tp > 1 else None, args=args)
+
+    writer2 = engine(2, "gen,other,flush")  # computes two prompts at TP=2, stores them on disk and Redis
+    assert remove_chunk_files(disk, writer2["prompt_keys"]["other"]) == REUSABLE_CHUNKS  # "other": Redis only
+    reader1 = engine(1, "gen,other,third,fourth,flush")  # loads both at TP=1; computes and stores two more
+    assert remove_chunk_files(disk, reader1["prompt_keys"]["fourth"]) == REUSABLE_CHUNKS
+    reader2 = engine(2, "third,fourth")  # loads those at TP=2
+    for report in (writer2, reader1, reader2):
+        print(json.dumps(report["stats"]))
+    computed = {**{r["step"]: r for r in writer2["runs"]}, **{r["step"]: r for r in reader1["runs"][2:]}}
+    loaded = [*reader1["runs"][:2], *reader2["runs"]]
+    assert all(run["cached_tokens"] == 0 for run in computed.values())
+    assert len({tuple(run["tokens"]) for run in computed.values()}) == 4  # outputs depend on the prompt
+    for run in loaded:  # TP=2 -> TP=1 from disk, from Redis; TP=1 -> TP=2 from disk, from Redis
+        assert run["cached_tokens"] == REUSABLE_CHUNKS * 256, run["step"]
+        assert run["tokens"] == computed[run["step"]]["tokens"], run["step"]
+    for report in (reader1, reader2):
+        stats = report["stats"]
+        assert stats["disk"]["hits"] >= REUSABLE_CHUNKS and stats["redis"]["hits"] >= REUSABLE_CHUNKS
+        assert stats["disk"]["corrupt"] == 0 and stats["redis"]["corrupt"] == 0
+        assert [rank["loaded_chunks"] for rank in stats["ranks"]] == [2 * REUSABLE_CHUNKS] * len(stats["ranks"])
+        assert all(rank["load_failures"] == 0 for rank in stats["ranks"])
+    assert len(reader2["stats"]["ranks"]) == 2

@@ -7,11 +7,14 @@ process so that "a fresh engine" really starts with an empty kvstore DRAM tier:
         --steps gen,reset,gen --out result.json
 
 Steps: ``gen`` generates greedily for the prompt (recording output tokens and how many prompt
-tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other`` generates for
-a different prompt, ``salted`` for the same prompt under another tenant's ``cache_salt``,
+tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other``, ``third`` and
+``fourth`` generate for other prompts, ``salted`` for the same prompt under another tenant's ``cache_salt``,
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
 process ``--freeze-pid`` (a server that stops answering). The engine runs
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read.
+With ``--tp 2`` the two workers are processes of their own, pinned one per core
+(``VLLM_CPU_OMP_THREADS_BIND=0|1``, which vLLM's CPU build needs for tensor parallelism); their
+connectors are reached with ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         block_size=args.block_size,
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=args.tp,
         kv_transfer_config=transfer,
     )
 
@@ -69,12 +73,35 @@ def kvstore_tier(llm: Any) -> Any:
     return next(tier for tier in manager.secondary_tiers if type(tier).__name__ == "KVStoreTier")
 
 
+def worker_connector_stats(worker: Any = None) -> dict[str, Any]:
+    """The worker-side connector's counters and its store's (run in each worker by collective_rpc)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().stats()
+
+
+def flush_worker_store(worker: Any = None) -> None:
+    """Wait until the worker's kvstore has written everything to every tier (the rank holding a store)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    store = get_kv_transfer_group().store
+    if store is not None:
+        store.flush(timeout=60)
+
+
+def on_workers(llm: Any, function: Any) -> list[Any]:
+    """``function`` run in every worker: in this process without tensor parallelism, else in each TP worker."""
+    if llm.llm_engine.vllm_config.parallel_config.world_size == 1:
+        return [function()]
+    return llm.collective_rpc(function)
+
+
 def report_stats(llm: Any, mode: str) -> dict[str, Any]:
     if mode == "tier":
         return kvstore_tier(llm).stats()
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    stats = get_kv_transfer_group().stats()  # the worker side, and the store both sides share
+    ranks = on_workers(llm, worker_connector_stats)
+    stats = dict(ranks[0])  # the first rank holds the store; the others report their own counters
+    stats["ranks"] = [rank["connector"] for rank in ranks]
     stats["scheduler"] = dict(scheduler_connector(llm).counters)
     return stats
 
@@ -82,9 +109,7 @@ def report_stats(llm: Any, mode: str) -> dict[str, Any]:
 def flush(llm: Any, mode: str) -> None:
     """Wait until kvstore's writes have reached every tier (the tier: once vLLM has cascaded to it)."""
     if mode == "connector":
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        get_kv_transfer_group().store.flush(timeout=60)
+        on_workers(llm, flush_worker_store)
         return
     tier = kvstore_tier(llm)
     tier.drain_jobs()
@@ -101,6 +126,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--freeze-pid", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -115,6 +141,8 @@ def main() -> None:
     prompts = {
         "gen": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed, args.prompt_tokens)),
         "other": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed + 1000, 1000)),
+        "third": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed + 2000, 1000)),
+        "fourth": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed + 3000, 1000)),
         "salted": TokensPrompt(prompt_token_ids=prompt(args.prompt_seed, args.prompt_tokens), cache_salt="tenant-b"),
     }
     for step in args.steps.split(","):
@@ -144,10 +172,13 @@ def main() -> None:
         connector = scheduler_connector(llm)
         report["namespace"] = connector.namespace
         report["keys"] = connector.store.chunk_keys(prompt(args.prompt_seed, args.prompt_tokens))
+        unsalted = {step: p for step, p in prompts.items() if step != "salted"}
+        keys_of = connector.store.chunk_keys
+        report["prompt_keys"] = {step: keys_of(list(p["prompt_token_ids"])) for step, p in unsalted.items()}
     with open(args.out, "w") as f:
         json.dump(report, f, default=str)
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM starts its TP workers with spawn: they import this module
     main()

@@ -61,8 +61,12 @@ def _make_tokenizer(path: str):
     return fast
 
 
-def make_tiny_llama(path: str) -> str:
-    """Create (idempotently) a tiny Llama model dir at ``path``; return path."""
+def make_tiny_llama(path: str, kv_heads: int = 2) -> str:
+    """Create (idempotently) a tiny Llama model dir at ``path``; return path.
+
+    ``kv_heads`` 2: 4 query heads (GQA 2:1); 4: 8 query heads, so that two tensor-parallel
+    workers hold 2 KV heads each.
+    """
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -81,8 +85,8 @@ def make_tiny_llama(path: str) -> str:
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2 * kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=32,
         max_position_embeddings=MAX_POS,
         rms_norm_eps=1e-6,
@@ -108,7 +112,7 @@ def make_tiny_llama(path: str) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: tiny_llama.py PATH", file=sys.stderr)
+    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] != "--kv-heads"):
+        print("usage: tiny_llama.py PATH [--kv-heads N]", file=sys.stderr)
         sys.exit(2)
-    print(make_tiny_llama(sys.argv[1]))
+    print(make_tiny_llama(sys.argv[1], int(sys.argv[3]) if len(sys.argv) == 4 else 2))

@@ -16,6 +16,11 @@ kvstore's DRAM; disk, Redis and S3 follow in the background).
 
 A chunk that cannot be loaded (corrupt, vanished, a tier timing out) is reported through
 ``get_block_ids_with_load_errors``: vLLM recomputes those tokens instead of using bad blocks.
+
+With tensor parallelism, the first worker of the TP group holds the store: it streams loads and
+puts saves, and the workers exchange their KV heads with it over the TP group
+(:mod:`kvstore.connectors.vllm.tensor_parallel`). Chunks hold all heads, so a cache written at
+one TP degree is reused at any other.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer, paged_format
 from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
 from kvstore.connectors.vllm.engine_config import expected_paged_format, layout_for_vllm, request_extra
+from kvstore.connectors.vllm.tensor_parallel import LoadStatus, TensorParallelRanks
 from kvstore.engine.store import KVStore
-from kvstore.engine.sync import SyncLayerStream
+from kvstore.engine.sync import SyncKVStore, SyncLayerStream
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
 
@@ -104,10 +110,11 @@ class _Request:
 @dataclass
 class _ActiveLoad:
     spec: LoadSpec
-    stream: SyncLayerStream | None  # None: it could not even start
+    stream: SyncLayerStream | None  # None: it could not start (see ``error``), or this rank does not read
     block_ids: torch.Tensor
     failed: bool = False
     layers_done: int = 0
+    error: str = ""  # why the stream is gone, once it is (the reading rank only)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -139,9 +146,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.chunk_tokens = options.chunk_tokens
         self.prefetch_depth = options.prefetch_depth
         self.namespace = options.namespace
-        self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
-        timeouts = self.store.store.config.timeouts
-        self.wait_timeout = (len(self.store.store.tiers) + 2) * timeouts.get
+        # Workers: the TP group's first rank holds the store for the group (see tensor_parallel.py).
+        self.ranks = TensorParallelRanks.of_vllm_worker() if role == KVConnectorRole.WORKER else TensorParallelRanks()
+        self.store: SyncKVStore | None = None
+        if self.ranks.is_reader:
+            self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
+        self.local_heads = self.ranks.heads(self.layout.num_kv_heads)
+        # How long a layer may take to come: every tier's get, and some (not used by the other ranks).
+        tiers = len(self.store.store.tiers) if self.store is not None else 0
+        self.wait_timeout = (tiers + 2) * options.config.timeouts.get
         self.counters = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -174,7 +187,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None:
             tokens = list(request.prompt_token_ids or [])  # none for prompt embeddings: nothing to key
-            state = _Request(keys=self.store.chunk_keys(tokens, request_extra(request)), prompt_tokens=len(tokens))
+            keys = self._held_store().chunk_keys(tokens, request_extra(request))
+            state = _Request(keys=keys, prompt_tokens=len(tokens))
             self._requests[request.request_id] = state
         state.local_tokens = num_computed_tokens
         if state.lookup is None and state.keys:
@@ -207,7 +221,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             else:
                 total.set_result(recent + rest.result())
 
-        self.store.lookup_future(keys[recent:]).add_done_callback(add_recent)
+        self._held_store().lookup_future(keys[recent:]).add_done_callback(add_recent)
         return total
 
     def _found(self, state: _Request) -> int | None:
@@ -324,10 +338,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             if kv.dtype != layout.dtype:
                 raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
             layer = PagedLayer(kv, fmt, layout.head_dim)
-            if layer.heads != layout.num_kv_heads or layer.block_size != self.block_size:
+            heads = self.local_heads.stop - self.local_heads.start  # this rank's share of the model's heads
+            if layer.heads != heads or layer.block_size != self.block_size:
                 raise ConfigError(
                     f"layer {name}'s KV cache has {layer.heads} heads and blocks of {layer.block_size} tokens; "
-                    f"expected {layout.num_kv_heads} heads and blocks of {self.block_size}"
+                    f"expected {heads} heads (of {layout.num_kv_heads}, tensor parallel rank {self.ranks.rank} "
+                    f"of {self.ranks.size}) and blocks of {self.block_size}"
                 )
             self._layers.append(layer)
             self._layer_index[name] = index
@@ -338,10 +354,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             load = _ActiveLoad(spec, None, torch.tensor(spec.block_ids, dtype=torch.long))
             self._loads.append(load)
-            try:
-                load.stream = self.store.prefetch(spec.keys, depth=self.prefetch_depth)
-            except KVStoreError as exc:  # e.g. the store closed under a shutting-down engine
-                self._fail(load, f"the stream did not start: {exc!r}")
+            if self.store is not None:  # the reading rank; a stream that cannot start fails at layer 0, agreed
+                self._start_stream(load, "the stream did not start")
+
+    def _start_stream(self, load: _ActiveLoad, failure: str) -> None:
+        try:
+            load.stream = self._held_store().prefetch(load.spec.keys, depth=self.prefetch_depth)
+        except KVStoreError as exc:  # e.g. the store closed under a shutting-down engine
+            load.stream, load.error = None, f"{failure}: {exc!r}"
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -349,16 +369,42 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         layer = self._layers[index]
         for load in self._loads:
-            while not load.failed and load.stream is not None and load.layers_done == index:
-                try:
-                    kv = load.stream.wait_layer(index, self.wait_timeout)
-                    rows = slice(load.spec.skip, load.spec.skip + len(load.block_ids) * self.block_size)
-                    layer.scatter(load.block_ids, kv[:, rows])
-                    load.layers_done += 1
-                except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
-                    if not self._keep_sound_chunks(load, exc):
-                        self._fail(load, f"layer {index}: {exc}")
+            if load.failed or load.layers_done != index:
+                continue
+            # Every rank runs this for the same loads in the same order: the statuses are agreed.
+            kv = self._read_layer(load, index) if self.store is not None else None
+            status = self.ranks.agree(
+                LoadStatus(kv is not None, len(load.spec.keys), len(load.spec.block_ids))
+                if self.store is not None
+                else None
+            )
+            if status.blocks < len(load.spec.block_ids):  # the reading rank narrowed the load (reported there)
+                self._narrow(load, status.keys, status.blocks, f"layer {index}: another rank's chunk failed")
+            if not status.loaded:
+                self._fail(load, load.error or f"layer {index} failed on the reading rank")
+                continue
+            rows = len(load.block_ids) * self.block_size
+            mine = self._layer_rows(rows) if self.ranks.size > 1 else None
+            layer.scatter(load.block_ids, self.ranks.scatter_heads(kv, mine) if mine is not None else kv)
+            load.layers_done += 1
         self._finish_loads(complete_only=True)
+
+    def _read_layer(self, load: _ActiveLoad, index: int) -> torch.Tensor | None:
+        """The reading rank: layer ``index`` of the load's blocks (all heads), or None (``load.error`` says why).
+
+        A chunk that fails narrows the load to the chunks before it and the stream starts again
+        (:meth:`_keep_sound_chunks`), so this returns the layer of fewer blocks, never wrong rows.
+        """
+        while load.stream is not None:
+            try:
+                kv = load.stream.wait_layer(index, self.wait_timeout)
+                return kv[:, load.spec.skip : load.spec.skip + len(load.block_ids) * self.block_size]
+            except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
+                if not self._keep_sound_chunks(load, exc):
+                    load.error = f"layer {index}: {exc}"
+                    self._close_stream(load)
+                    load.stream = None
+        return None
 
     def _keep_sound_chunks(self, load: _ActiveLoad, exc: KVStoreError) -> bool:
         """After chunk c of ``load`` failed, go on loading its chunks before c; False if none are left.
@@ -370,20 +416,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         """
         bad = getattr(exc, "chunk", None)  # None: not one chunk's fault (a late layer, a closed store)
         keep = 0 if bad is None else (bad * self.chunk_tokens - load.spec.skip) // self.block_size
-        if keep <= 0 or keep >= len(load.spec.block_ids):
+        if bad is None or keep <= 0 or keep >= len(load.spec.block_ids):
             return False
-        spec = load.spec
-        self._report_failed(spec, spec.block_ids[keep:], f"chunk {bad} of {len(spec.keys)}: {exc}")
-        self.counters["partial_loads"] += 1
         self._close_stream(load)
-        load.spec = dataclasses.replace(spec, keys=spec.keys[:bad], block_ids=spec.block_ids[:keep])
-        load.block_ids = load.block_ids[:keep]
-        try:
-            load.stream = self.store.prefetch(load.spec.keys, depth=self.prefetch_depth)
-        except KVStoreError as error:
-            load.stream = None
-            self._fail(load, f"the stream of its first {bad} chunks did not start: {error!r}")
+        self._narrow(load, bad, keep, f"chunk {bad} of {len(load.spec.keys)}: {exc}")
+        self._start_stream(load, f"the stream of its first {bad} chunks did not start")
         return True
+
+    def _narrow(self, load: _ActiveLoad, keys: int, blocks: int, reason: str) -> None:
+        """Keep the first ``keys`` chunks (``blocks`` blocks) of ``load``; report the rest failed."""
+        spec = load.spec
+        self._report_failed(spec, spec.block_ids[blocks:], reason)
+        self.counters["partial_loads"] += 1
+        load.spec = dataclasses.replace(spec, keys=spec.keys[:keys], block_ids=spec.block_ids[:blocks])
+        load.block_ids = load.block_ids[:blocks]
+
+    def _layer_rows(self, tokens: int) -> torch.Tensor:
+        """A buffer for this rank's heads of one layer of ``tokens`` tokens (tensor parallelism only)."""
+        layout = self.layout
+        heads = self.local_heads.stop - self.local_heads.start
+        return torch.empty((layout.kv_planes, tokens, heads, layout.head_dim), dtype=layout.dtype)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -403,7 +455,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             layer.gather(block_ids, chunk[index])
 
     def _new_chunk(self) -> torch.Tensor:
-        return torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
+        """A staging buffer for this rank's heads of one chunk (all heads without tensor parallelism)."""
+        layers, planes, tokens, heads, head_dim = self.layout.chunk_shape
+        if self.ranks.size > 1:
+            heads = self.local_heads.stop - self.local_heads.start
+        return torch.empty((layers, planes, tokens, heads, head_dim), dtype=self.layout.dtype)
 
     def wait_for_save(self) -> None:
         # Loads the forward pass did not take every layer of (it cannot have used them) are failures.
@@ -417,17 +473,30 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata)
         # Chunks no attention layer ran for this step (nothing computed for them) are not in staging.
         chunks = [(spec.key, self._staging[spec.key][1]) for spec in meta.saves if spec.key in self._staging]
+        staged = chunks
+        if chunks and self.ranks.size > 1:  # every rank's heads to the first rank, which puts whole chunks
+            chunks = self._gather_chunks(chunks)
         if chunks:
             try:  # one hop to kvstore's loop for all of them; each put copies into its DRAM tier
+                assert self.store is not None  # chunks to put are on the reading rank only
                 saved = self.store.submit(_put_all(self.store.store, chunks)).result()
             except Exception as exc:  # a save is best effort: a missed one is a future cache miss
                 log.warning("kvstore: saving %d chunks failed: %r", len(chunks), exc)
                 saved = [False] * len(chunks)
             self.counters["saved_chunks"] += sum(saved)
             self.counters["save_rejected"] += len(chunks) - sum(saved)
-            # The staging buffers are free again (put copied them): keep a few for the next steps.
-            self._spare_chunks.extend(chunk for _, chunk in chunks[: SPARE_CHUNKS - len(self._spare_chunks)])
+        # The staging buffers are free again (put copied them): keep a few for the next steps.
+        self._spare_chunks.extend(chunk for _, chunk in staged[: SPARE_CHUNKS - len(self._spare_chunks)])
         self._staging.clear()
+
+    def _gather_chunks(self, staged: list[tuple[ChunkKey, torch.Tensor]]) -> list[tuple[ChunkKey, torch.Tensor]]:
+        """Tensor parallelism: the whole chunks on the reading rank (every rank sends its heads); none elsewhere."""
+        local = torch.stack([chunk for _, chunk in staged])
+        full = None
+        if self.store is not None:
+            full = torch.empty((len(staged), *self.layout.chunk_shape), dtype=self.layout.dtype)
+        self.ranks.gather_heads(local, full)
+        return [] if full is None else [(key, full[i]) for i, (key, _) in enumerate(staged)]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -468,16 +537,23 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._close_stream(load)
         self._loads = keep
 
+    def _held_store(self) -> SyncKVStore:
+        """The store: the scheduler holds one, and so does the reading worker (the TP group's first rank)."""
+        if self.store is None:
+            raise KVStoreError("this kvstore connector holds no store (a TP rank after the first, or shut down)")
+        return self.store
+
     # -- both sides --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """This connector's counters, and the store's (``store.stats()``)."""
-        return {"connector": dict(self.counters), **self.store.stats()}
+        store = self.store.stats() if self.store is not None else {}  # TP ranks after the first hold none
+        return {"connector": dict(self.counters), **store}
 
     def shutdown(self) -> None:
         for load in self._loads:
             load.failed = True
         self._finish_loads(complete_only=False)
-        store, self.store = self.store, None  # type: ignore[assignment]
+        store, self.store = self.store, None
         if store is not None:
             shared_stores.release(store)

@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
     """The :class:`KVLayout` of the served model's KV cache; refuses what this connector cannot store."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise ConfigError(
-            "kvstore's vLLM integrations support one worker for now (tensor_parallel_size and "
-            "pipeline_parallel_size 1); run without parallelism or without kvstore"
+            "kvstore's vLLM integrations do not support pipeline parallelism (pipeline_parallel_size "
+            f"{parallel.pipeline_parallel_size}): each stage would hold a part of the layers of a chunk; "
+            "use tensor parallelism instead (tensor_parallel_size, supported), or run without kvstore"
         )
     if model.use_mla:
         raise ConfigError("kvstore's vLLM integrations do not support MLA models yet")
