@@ -460,8 +460,24 @@ def test_connector_reuses_a_cache_across_tensor_parallel_degrees(vllm_python, ti
         assert run["tokens"] == computed[run["step"]]["tokens"], run["step"]
     for report in (reader1, reader2):
         stats = report["stats"]
-        assert stats["disk"]["hits"] >= REUSABLE_CHUNKS and stats["redis"]["hits"] >= REUSABLE_CHUNKS
+        assert stats["disk"]["hits"] == REUSABLE_CHUNKS and stats["redis"]["hits"] == REUSABLE_CHUNKS
         assert stats["disk"]["corrupt"] == 0 and stats["redis"]["corrupt"] == 0
         assert [rank["loaded_chunks"] for rank in stats["ranks"]] == [2 * REUSABLE_CHUNKS] * len(stats["ranks"])
         assert all(rank["load_failures"] == 0 for rank in stats["ranks"])
     assert len(reader2["stats"]["ranks"]) == 2
+
+    # Ranks agree on a failure: the middle chunk of "gen" is corrupt on disk (and Redis is not
+    # configured): both ranks keep the first chunk and report the same two blocks failed.
+    (victim,) = disk.rglob(f"{writer2['prompt_keys']['gen'][1]}*")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    extra = {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"path": str(disk)}}}
+    partial = engine(2, "gen")
+    run, ranks = partial["runs"][0], partial["stats"]["ranks"]
+    print(json.dumps(partial["stats"]))
+    assert run["tokens"] == computed["gen"]["tokens"]
+    assert partial["stats"]["disk"]["corrupt"] == 1
+    assert [rank["loaded_tokens"] for rank in ranks] == [256, 256]
+    assert [rank["failed_blocks"] for rank in ranks] == [2 * 256 // 128] * 2  # the corrupt chunk's and the last
+    assert [rank["partial_loads"] for rank in ranks] == [1, 1]
