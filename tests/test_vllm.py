@@ -481,3 +481,46 @@ def test_connector_reuses_a_cache_across_tensor_parallel_degrees(vllm_python, ti
     assert [rank["loaded_tokens"] for rank in ranks] == [256, 256]
     assert [rank["failed_blocks"] for rank in ranks] == [2 * 256 // 128] * 2  # the corrupt chunk's and the last
     assert [rank["partial_loads"] for rank in ranks] == [1, 1]
+
+
+# -- hybrid models --------------------------------------------------------------------------------
+# A Gemma-3-style model: layers 0 and 2 attend to a sliding window of 256 tokens, 1 and 3 to all;
+# vLLM's hybrid KV cache manager (on by default) keeps them in two KV cache groups.
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-gemma")
+    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_gemma.py"), str(path)], check=True, capture_output=True)
+    return path
+
+
+@pytest.mark.parametrize("chunk_tokens", [256, 512])
+def test_connector_hybrid_model_a_fresh_engine_loads_every_group(vllm_python, tiny_gemma, tmp_path, chunk_tokens):
+    """Prompt of 1000 tokens, window 256. Chunks of 256: 3 reusable, the sliding layers' rows all
+    stored. Chunks of 512: 1 reusable, the sliding layers store only their last 256 rows of it
+    (zeros before: no window reaches them), under a namespace of their own. The writer prefills in
+    steps of 384 tokens, so vLLM frees sliding-window blocks between the steps that save them."""
+    extra = disk_extra(tmp_path / "disk")
+    extra["kvstore_chunk_tokens"] = chunk_tokens
+    reusable = (1000 - 1) // chunk_tokens
+    first = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,flush", args=["--max-batched-tokens", "384"])
+    fresh = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,other")
+    (run, other), stats = fresh["runs"], fresh["stats"]
+    print(json.dumps(first["stats"]), json.dumps(stats))
+    assert first["kv_cache_groups"] == [{"layers": [0, 2], "window": 256}, {"layers": [1, 3], "window": None}]
+    assert first["runs"][0]["cached_tokens"] == 0 and first["stats"]["scheduler"]["unsaveable_chunks"] == 0
+    assert first["stats"]["connector"]["saved_chunks"] == reusable
+    assert other["tokens"] != run["tokens"]  # the output depends on the prompt
+    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert run["cached_tokens"] == reusable * chunk_tokens
+    assert stats["connector"]["loaded_chunks"] == reusable and stats["connector"]["load_failures"] == 0
+    assert stats["disk"]["hits"] == reusable
+    assert fresh["namespace"].endswith("#rows=in-window") == (chunk_tokens == 512)
+    if chunk_tokens == 256:  # a corrupt chunk fails the whole prefix (per request): recomputed, same tokens
+        assert corrupt_every_file(tmp_path / "disk") == reusable + (1000 - 1) // chunk_tokens
+        broken = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen")
+        stats = broken["stats"]
+        assert broken["runs"][0]["tokens"] == first["runs"][0]["tokens"]
+        assert stats["connector"]["load_failures"] == 1 and stats["connector"]["loaded_chunks"] == 0
+        assert stats["disk"]["corrupt"] >= 1

@@ -59,6 +59,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         enforce_eager=True,
         seed=0,
         tensor_parallel_size=args.tp,
+        max_num_batched_tokens=args.max_batched_tokens,
         kv_transfer_config=transfer,
     )
 
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens per step (prefill in steps)")
     parser.add_argument("--freeze-pid", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -171,6 +173,7 @@ def main() -> None:
     if in_process and args.mode == "connector":  # where the prompt's chunks are: the keys of the gen step
         connector = scheduler_connector(llm)
         report["namespace"] = connector.namespace
+        report["kv_cache_groups"] = [{"layers": list(g.layers), "window": g.window} for g in connector.groups]
         report["keys"] = connector.store.chunk_keys(prompt(args.prompt_seed, args.prompt_tokens))
         unsalted = {step: p for step, p in prompts.items() if step != "salted"}
         keys_of = connector.store.chunk_keys

@@ -17,6 +17,12 @@ kvstore's DRAM; disk, Redis and S3 follow in the background).
 A chunk that cannot be loaded (corrupt, vanished, a tier timing out) is reported through
 ``get_block_ids_with_load_errors``: vLLM recomputes those tokens instead of using bad blocks.
 
+Hybrid models (sliding-window and full-attention layers, vLLM's hybrid KV cache manager on, as
+it is by default): a chunk still holds every layer; a sliding-window layer stores and loads only
+the rows inside the windows that need them (:mod:`kvstore.connectors.attention_groups`), and
+loads are whole-prefix and asynchronous (:mod:`kvstore.connectors.vllm.whole_loads`), because
+vLLM takes failures of such models per request, not per block.
+
 With tensor parallelism, the first worker of the TP group holds the store: it streams loads and
 puts saves, and the workers exchange their KV heads with it over the TP group
 (:mod:`kvstore.connectors.vllm.tensor_parallel`). Chunks hold all heads, so a cache written at
@@ -37,13 +43,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
+from kvstore.connectors.attention_groups import loaded_blocks, saved_blocks
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer, paged_format
 from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
-from kvstore.connectors.vllm.engine_config import expected_paged_format, layout_for_vllm, request_extra
+from kvstore.connectors.vllm.engine_config import (
+    attention_groups,
+    expected_paged_format,
+    layout_for_vllm,
+    request_extra,
+)
 from kvstore.connectors.vllm.tensor_parallel import LoadStatus, TensorParallelRanks
+from kvstore.connectors.vllm.whole_loads import BlockRun, WholeChunkLoads
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore, SyncLayerStream
 from kvstore.errors import ConfigError, KVStoreError
@@ -69,21 +84,25 @@ async def _put_all(store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]]) 
 
 @dataclass
 class LoadSpec:
-    """Load chunks ``keys`` and write their tokens from ``skip`` on into ``block_ids``."""
+    """Load chunks ``keys``; each KV cache group's ``runs`` entry says which of their rows go into which blocks.
+
+    With one group, ``runs[0].first_row`` is the tokens of the first chunk vLLM already has (its
+    own prefix cache) and the blocks follow on from there.
+    """
 
     req_id: str
     keys: list[ChunkKey]
-    skip: int  # tokens of the first chunk that vLLM already has (its own prefix cache)
-    block_ids: list[int]
+    runs: list[BlockRun]
+    tokens: int  # tokens the request gets from the load
 
 
 @dataclass
 class SaveSpec:
-    """Gather ``block_ids`` (one chunk's worth, in order) and put them as chunk ``key``."""
+    """Gather each group's ``runs`` (its rows of one chunk, from ``first_row``) and put them as chunk ``key``."""
 
     req_id: str
     key: ChunkKey
-    block_ids: list[int]
+    runs: list[BlockRun]
 
 
 @dataclass
@@ -102,9 +121,10 @@ class _Request:
     found: int | None = None  # leading chunks the store holds, once the lookup is back
     local_tokens: int = 0  # what vLLM's own prefix cache had, as last told
     next_save: int = 0  # chunks before this one are in the store or queued for it
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # the block table of each vLLM KV cache group
     load: LoadSpec | None = None  # to send to the worker with the next step
     loading: tuple[int, LoadSpec] | None = None  # (first chunk, spec) of the load planned
+    load_failed: bool = False  # a whole-prefix load failed: the request is recomputed, not loaded again
 
 
 @dataclass
@@ -117,7 +137,7 @@ class _ActiveLoad:
     error: str = ""  # why the stream is gone, once it is (the reading rank only)
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector with kvstore's DRAM primary tier and its disk, Redis and S3 tiers below."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -128,8 +148,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         options = read_options(
             transfer.kv_connector_extra_config or {}, lambda: vllm_namespace("vllm", model, cache_dtype)
         )
-        if len(kv_cache_config.kv_cache_groups) > 1:
-            raise ConfigError("kvstore's KVStoreConnector supports models with one KV cache group (no hybrid models)")
         if transfer.kv_load_failure_policy != "recompute":
             # A cache that fails requests on a bad chunk is worse than no cache: kvstore's promise
             # is that a corrupt or missing chunk costs a recompute, never an error or wrong KV.
@@ -142,6 +160,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.paged_format not in CANONICAL_FORMATS:
             # Raw block bytes of kernels kvstore cannot read as K and V: never mixed with canonical chunks.
             options = dataclasses.replace(options, namespace=f"{options.namespace}#paged={self.kernels}")
+        self.groups = attention_groups(kv_cache_config, options.chunk_tokens)
+        self.hybrid = len(self.groups) > 1  # loads are whole-prefix and asynchronous (whole_loads.py)
+        if any(group.partial_rows(options.chunk_tokens) for group in self.groups):
+            # Such chunks hold zeros where no window reaches: kept apart from chunks with every row.
+            options = dataclasses.replace(options, namespace=f"{options.namespace}#rows=in-window")
+        self._layer_groups = [0] * self.layout.num_layers  # chunk layer -> its group's position in self.groups
+        for position, group in enumerate(self.groups):
+            for layer in group.layers:
+                self._layer_groups[layer] = position
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = options.chunk_tokens
         self.prefetch_depth = options.prefetch_depth
@@ -166,9 +193,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             "failed_blocks": 0,
             "saved_chunks": 0,
             "save_rejected": 0,
+            "unsaveable_chunks": 0,  # a sliding-window group no longer held a chunk's blocks: not saved
         }
         # scheduler side
         self._requests: dict[str, _Request] = {}
+        self._unsent_loads: list[LoadSpec] = []  # whole-prefix loads for the next step's metadata
         # Chunks this scheduler had the worker put into its DRAM tier, newest last: the worker may
         # be another process, whose DRAM the scheduler's lookups cannot see.
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
@@ -177,9 +206,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
         self._loads: list[_ActiveLoad] = []
-        self._staging: dict[ChunkKey, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (block ids, chunk)
+        # key -> (block ids of each group, chunk)
+        self._staging: dict[ChunkKey, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._spare_chunks: list[torch.Tensor] = []  # staging buffers, reused: fresh ones pay page faults
         self._failed_blocks: set[int] = set()
+        layers = self._layers
+        self._whole_loads = WholeChunkLoads(self.layout, self.ranks, self.store, lambda: layers, self._layer_groups)
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -191,6 +223,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             state = _Request(keys=keys, prompt_tokens=len(tokens))
             self._requests[request.request_id] = state
         state.local_tokens = num_computed_tokens
+        if state.load_failed:
+            return 0, False  # its load failed: vLLM computes the prompt (and it is saved again)
         if state.lookup is None and state.keys:
             # Every full chunk, even one vLLM has itself: the answer also tells what not to save again.
             self.counters["lookups"] += 1
@@ -203,7 +237,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if found is None:
             return None, False  # vLLM asks again next step; the scheduler never waits on I/O
         matched = min(found, usable) * self.chunk_tokens
-        return max(0, matched - num_computed_tokens), False
+        # Hybrid models load whole prefixes asynchronously (vLLM takes their failures per request).
+        return max(0, matched - num_computed_tokens), self.hybrid and matched > num_computed_tokens
 
     def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[int]:
         """How many leading ``keys`` are stored: those just saved to the worker's DRAM, then the store's answer."""
@@ -242,28 +277,42 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         start, end = state.local_tokens, state.local_tokens + num_external_tokens
         first_chunk = start // self.chunk_tokens
-        block_ids = blocks.get_block_ids()[0]
+        tables = blocks.get_block_ids()
+        runs: list[BlockRun] = []
+        for group in self.groups:
+            try:  # which of the group's blocks the load fills: all from ``start``, or those in the window
+                first, block_ids = loaded_blocks(group, list(tables[group.index]), start, end)
+            except ValueError as exc:  # vLLM allocated what kvstore cannot account for: fail, never guess
+                log.warning("kvstore: request %s's load is failed: %s", request.request_id, exc)
+                first, block_ids = first_chunk * self.chunk_tokens, []
+                state.load_failed = True
+            runs.append(BlockRun(first - first_chunk * self.chunk_tokens, block_ids))
         state.load = LoadSpec(
             req_id=request.request_id,
-            keys=state.keys[first_chunk : end // self.chunk_tokens],
-            skip=start - first_chunk * self.chunk_tokens,
-            block_ids=list(block_ids[start // self.block_size : end // self.block_size]),
+            keys=[] if state.load_failed else state.keys[first_chunk : end // self.chunk_tokens],
+            runs=runs,
+            tokens=num_external_tokens,
         )
         state.loading = (first_chunk, state.load)
+        if self.hybrid:  # asynchronous: sent with the next step, which does not schedule the request
+            self._unsent_loads.append(state.load)
+            state.load = None
         self.counters["hit_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata()
-        progress: list[tuple[str, int]] = []  # (request, tokens computed once this step ends)
+        meta = KVStoreConnectorMetadata(loads=self._unsent_loads)
+        self._unsent_loads = []
+        progress: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, and after it)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(table) for table in new.block_ids]
             if state.load is not None:
                 meta.loads.append(state.load)
                 state.load = None
-            progress.append((new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]))
+            scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
+            progress.append((new.req_id, new.num_computed_tokens, new.num_computed_tokens + scheduled))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -271,30 +320,51 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                state.block_ids = [list(table) for table in new_blocks] if new_blocks is not None else []
             elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
-            progress.append((req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]))
-        per_chunk = self.chunk_tokens // self.block_size
-        for req_id, computed in progress:
+                for table, added in zip(state.block_ids, new_blocks, strict=True):
+                    table.extend(added)
+            computed = cached.num_computed_tokens[i]
+            progress.append((req_id, computed, computed + scheduler_output.num_scheduled_tokens[req_id]))
+        for req_id, before, after in progress:
             state = self._requests[req_id]
             self._found(state)  # chunks the store already holds are not saved again
-            done = min(computed, state.prompt_tokens) // self.chunk_tokens
+            done = min(after, state.prompt_tokens) // self.chunk_tokens
             for chunk in range(state.next_save, done):
-                blocks = state.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
-                if len(blocks) == per_chunk:
-                    meta.saves.append(SaveSpec(req_id, state.keys[chunk], blocks))
-                    self._saved[state.keys[chunk]] = None
-                    self._saved.move_to_end(state.keys[chunk])
-                    if len(self._saved) > self._saved_limit:
-                        self._saved.popitem(last=False)
+                runs = self._saved_runs(state, chunk, before)
+                if runs is None:
+                    self.counters["unsaveable_chunks"] += 1
+                    continue
+                meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
+                self._saved[state.keys[chunk]] = None
+                self._saved.move_to_end(state.keys[chunk])
+                if len(self._saved) > self._saved_limit:
+                    self._saved.popitem(last=False)
             state.next_save = max(state.next_save, done)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
         return meta
 
+    def _saved_runs(self, state: _Request, chunk: int, computed_tokens: int) -> list[BlockRun] | None:
+        """Each group's blocks of ``chunk`` (see :func:`saved_blocks`), or None if a group no longer has them all."""
+        runs: list[BlockRun] = []
+        for group in self.groups:
+            if group.index >= len(state.block_ids):
+                return None
+            held = saved_blocks(group, state.block_ids[group.index], chunk, self.chunk_tokens, computed_tokens)
+            if held is None:
+                return None
+            runs.append(BlockRun(*held))
+        return runs
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """A load that failed is recomputed by vLLM: its chunks are saved again once they are."""
+        failed_requests = getattr(connector_output, "failed_recving", None) or set()
+        for req_id in failed_requests:  # a whole-prefix (hybrid) load: the request is recomputed whole
+            state = self._requests.get(req_id)
+            if state is not None and state.loading is not None:
+                self._recompute_from(state, state.loading[0])
+                state.load_failed = True
         failed = connector_output.invalid_block_ids
         if not failed:
             return
@@ -302,17 +372,28 @@ class KVStoreConnector(KVConnectorBase_V1):
             if state.loading is None:
                 continue
             first_chunk, spec = state.loading
-            bad = [i for i, block in enumerate(spec.block_ids) if block in failed]
+            run = spec.runs[0]  # block-level failures come from one-group models only
+            bad = [i for i, block in enumerate(run.block_ids) if block in failed]
             if bad:  # from the first failed block's chunk on: recomputed, to be saved again
-                chunk = first_chunk + (spec.skip + bad[0] * self.block_size) // self.chunk_tokens
-                state.next_save = min(state.next_save, chunk)
-                for key in state.keys[chunk:]:
-                    self._saved.pop(key, None)  # gone from the worker's DRAM, or bad: ask the store next time
-                state.loading = None
+                first_bad_row = run.first_row + bad[0] * self.block_size
+                self._recompute_from(state, first_chunk + first_bad_row // self.chunk_tokens)
+
+    def _recompute_from(self, state: _Request, chunk: int) -> None:
+        """vLLM recomputes ``state``'s chunks from ``chunk`` on: save them again once it has."""
+        state.next_save = min(state.next_save, chunk)
+        for key in state.keys[chunk:]:
+            self._saved.pop(key, None)  # gone from the worker's DRAM, or bad: ask the store next time
+        state.loading = None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         return False, None  # saves are copied into kvstore's DRAM within the step: blocks may be freed
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of :meth:`request_finished` for a connector that supports hybrid models."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -339,11 +420,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                 raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
             layer = PagedLayer(kv, fmt, layout.head_dim)
             heads = self.local_heads.stop - self.local_heads.start  # this rank's share of the model's heads
-            if layer.heads != heads or layer.block_size != self.block_size:
+            block_size = self.groups[self._layer_groups[index]].block_size
+            if layer.heads != heads or layer.block_size != block_size:
                 raise ConfigError(
                     f"layer {name}'s KV cache has {layer.heads} heads and blocks of {layer.block_size} tokens; "
                     f"expected {heads} heads (of {layout.num_kv_heads}, tensor parallel rank {self.ranks.rank} "
-                    f"of {self.ranks.size}) and blocks of {self.block_size}"
+                    f"of {self.ranks.size}) and blocks of {block_size}"
                 )
             self._layers.append(layer)
             self._layer_index[name] = index
@@ -352,12 +434,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for spec in meta.loads:
-            load = _ActiveLoad(spec, None, torch.tensor(spec.block_ids, dtype=torch.long))
+            if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
+                self._whole_loads.start(spec.req_id, spec.keys, spec.runs, spec.tokens)
+                continue
+            load = _ActiveLoad(spec, None, torch.tensor(spec.runs[0].block_ids, dtype=torch.long))
             self._loads.append(load)
             if self.store is not None:  # the reading rank; a stream that cannot start fails at layer 0, agreed
                 self._start_stream(load, "the stream did not start")
 
     def _start_stream(self, load: _ActiveLoad, failure: str) -> None:
+        if not load.spec.keys:
+            load.error = "the load did not match the engine's blocks"
+            return
         try:
             load.stream = self._held_store().prefetch(load.spec.keys, depth=self.prefetch_depth)
         except KVStoreError as exc:  # e.g. the store closed under a shutting-down engine
@@ -373,12 +461,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             # Every rank runs this for the same loads in the same order: the statuses are agreed.
             kv = self._read_layer(load, index) if self.store is not None else None
+            blocks = len(load.spec.runs[0].block_ids)
             status = self.ranks.agree(
-                LoadStatus(kv is not None, len(load.spec.keys), len(load.spec.block_ids))
-                if self.store is not None
-                else None
+                LoadStatus(kv is not None, len(load.spec.keys), blocks) if self.store is not None else None
             )
-            if status.blocks < len(load.spec.block_ids):  # the reading rank narrowed the load (reported there)
+            if status.blocks < blocks:  # the reading rank narrowed the load (reported there)
                 self._narrow(load, status.keys, status.blocks, f"layer {index}: another rank's chunk failed")
             if not status.loaded:
                 self._fail(load, load.error or f"layer {index} failed on the reading rank")
@@ -398,7 +485,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         while load.stream is not None:
             try:
                 kv = load.stream.wait_layer(index, self.wait_timeout)
-                return kv[:, load.spec.skip : load.spec.skip + len(load.block_ids) * self.block_size]
+                skip = load.spec.runs[0].first_row
+                return kv[:, skip : skip + len(load.block_ids) * self.block_size]
             except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
                 if not self._keep_sound_chunks(load, exc):
                     load.error = f"layer {index}: {exc}"
@@ -415,8 +503,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         Each narrowing drops at least one chunk, so a load is retried at most once per chunk.
         """
         bad = getattr(exc, "chunk", None)  # None: not one chunk's fault (a late layer, a closed store)
-        keep = 0 if bad is None else (bad * self.chunk_tokens - load.spec.skip) // self.block_size
-        if bad is None or keep <= 0 or keep >= len(load.spec.block_ids):
+        run = load.spec.runs[0]
+        keep = 0 if bad is None else (bad * self.chunk_tokens - run.first_row) // self.block_size
+        if bad is None or keep <= 0 or keep >= len(run.block_ids):
             return False
         self._close_stream(load)
         self._narrow(load, bad, keep, f"chunk {bad} of {len(load.spec.keys)}: {exc}")
@@ -425,10 +514,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _narrow(self, load: _ActiveLoad, keys: int, blocks: int, reason: str) -> None:
         """Keep the first ``keys`` chunks (``blocks`` blocks) of ``load``; report the rest failed."""
-        spec = load.spec
-        self._report_failed(spec, spec.block_ids[blocks:], reason)
+        spec, run = load.spec, load.spec.runs[0]
+        self._report_failed(spec, run.block_ids[blocks:], reason)
         self.counters["partial_loads"] += 1
-        load.spec = dataclasses.replace(spec, keys=spec.keys[:keys], block_ids=spec.block_ids[:blocks])
+        kept = BlockRun(run.first_row, run.block_ids[:blocks])
+        load.spec = dataclasses.replace(spec, keys=spec.keys[:keys], runs=[kept], tokens=blocks * self.block_size)
         load.block_ids = load.block_ids[:blocks]
 
     def _layer_rows(self, tokens: int) -> torch.Tensor:
@@ -445,14 +535,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        layer = self._layers[index]
+        layer, group = self._layers[index], self._layer_groups[index]
         for spec in meta.saves:
             staged = self._staging.get(spec.key)
             if staged is None:
                 chunk = self._spare_chunks.pop() if self._spare_chunks else self._new_chunk()
-                staged = self._staging[spec.key] = (torch.tensor(spec.block_ids, dtype=torch.long), chunk)
-            block_ids, chunk = staged
-            layer.gather(block_ids, chunk[index])
+                tables = [torch.tensor(run.block_ids, dtype=torch.long) for run in spec.runs]
+                staged = self._staging[spec.key] = (tables, chunk)
+            tables, chunk = staged
+            first_row = spec.runs[group].first_row
+            if first_row:  # rows no window reaches (see attention_groups.py): zeros, not a reused buffer's rows
+                chunk[index, :, :first_row].zero_()
+            layer.gather(tables[group], chunk[index, :, first_row:])
 
     def _new_chunk(self) -> torch.Tensor:
         """A staging buffer for this rank's heads of one chunk (all heads without tensor parallelism)."""
@@ -498,13 +592,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.ranks.gather_heads(local, full)
         return [] if full is None else [(key, full[i]) for i, (key, _) in enumerate(staged)]
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Whole-prefix (hybrid) loads that are done: copied into their blocks, or failed (vLLM recomputes)."""
+        finished, failed = self._whole_loads.poll()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def _fail(self, load: _ActiveLoad, reason: str) -> None:
         load.failed = True
-        self._report_failed(load.spec, load.spec.block_ids, reason)
+        self._report_failed(load.spec, load.spec.runs[0].block_ids, reason)
 
     def _report_failed(self, spec: LoadSpec, block_ids: list[int], reason: str) -> None:
         """Blocks of ``spec`` that vLLM must recompute (counted once per failure)."""
@@ -513,7 +612,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._failed_blocks.update(block_ids)
         log.warning(
             "kvstore: %d of %d blocks of request %s's cached prefix failed to load (%s); vLLM recomputes them",
-            len(block_ids), len(spec.block_ids), spec.req_id, reason,
+            len(block_ids), len(spec.runs[0].block_ids), spec.req_id, reason,
         )  # fmt: skip
 
     @staticmethod
@@ -533,7 +632,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             if not load.failed:
                 self.counters["loaded_chunks"] += len(load.spec.keys)
-                self.counters["loaded_tokens"] += len(load.spec.block_ids) * self.block_size
+                self.counters["loaded_tokens"] += len(load.spec.runs[0].block_ids) * self.block_size
             self._close_stream(load)
         self._loads = keep
 
@@ -548,12 +647,19 @@ class KVStoreConnector(KVConnectorBase_V1):
     def stats(self) -> dict[str, Any]:
         """This connector's counters, and the store's (``store.stats()``)."""
         store = self.store.stats() if self.store is not None else {}  # TP ranks after the first hold none
-        return {"connector": dict(self.counters), **store}
+        whole = self._whole_loads
+        counters = dict(self.counters)
+        if self.hybrid:
+            counters["loaded_chunks"] += whole.loaded_chunks
+            counters["loaded_tokens"] += whole.loaded_tokens
+            counters["load_failures"] += whole.failures
+        return {"connector": counters, **store}
 
     def shutdown(self) -> None:
         for load in self._loads:
             load.failed = True
         self._finish_loads(complete_only=False)
+        self._whole_loads.close()
         store, self.store = self.store, None
         if store is not None:
             shared_stores.release(store)

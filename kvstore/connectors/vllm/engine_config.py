@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvstore.connectors.attention_groups import AttentionGroup
 from kvstore.connectors.paged import PagedFormat, paged_format
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 
@@ -83,3 +85,43 @@ def request_extra(request: Request) -> bytes | None:
     if request.cache_salt:
         parts.append(f"salt={request.cache_salt}")
     return "\n".join(parts).encode() if parts else None
+
+
+def attention_groups(kv_cache_config: KVCacheConfig, chunk_tokens: int) -> list[AttentionGroup]:
+    """The engine's KV cache groups as :class:`AttentionGroup`\\ s (layers indexed in a chunk's order).
+
+    A chunk holds every layer in model order (sorted by layer index), whatever group it is in:
+    the same layout with vLLM's hybrid KV cache manager as without it. Full-attention and
+    sliding-window groups are stored; any other kind of group (Mamba or linear-attention state,
+    chunked local attention, cross-attention) is refused here, at engine start, with the way out.
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups = [group for group in kv_cache_config.kv_cache_groups if getattr(group, "enable_kv_transfer", True)]
+    names = sorted((name for group in groups for name in group.layer_names), key=extract_layer_index)
+    position = {name: index for index, name in enumerate(names)}
+    result: list[AttentionGroup] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if group not in groups:
+            continue
+        spec, kind = group.kv_cache_spec, type(group.kv_cache_spec)
+        window: int | None = None
+        if kind is SlidingWindowSpec:
+            window = spec.sliding_window
+        elif kind not in (FullAttentionSpec, MLAAttentionSpec) or (len(groups) > 1 and kind is MLAAttentionSpec):
+            raise ConfigError(
+                f"kvstore's KVStoreConnector stores full-attention and sliding-window KV; this model's KV cache "
+                f"group {index} ({', '.join(group.layer_names[:3])}, ...) is a {kind.__name__}, which it cannot "
+                "store (Mamba and linear-attention state, chunked local or cross attention). Serve this model "
+                "without kvstore's connector, or, for chunked local attention, with --disable-hybrid-kv-cache-manager"
+            )
+        if chunk_tokens % spec.block_size:
+            raise ConfigError(
+                f"kvstore_chunk_tokens ({chunk_tokens}) must be a multiple of every KV cache group's block size; "
+                f"group {index} has blocks of {spec.block_size}"
+            )
+        layers = tuple(sorted(position[name] for name in group.layer_names))
+        extra = getattr(spec, "extra_retained_tokens", 0)
+        result.append(AttentionGroup(index, layers, spec.block_size, window, extra))
+    return result

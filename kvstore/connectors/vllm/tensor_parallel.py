@@ -93,6 +93,15 @@ class TensorParallelRanks:
         loaded, keys, blocks = (int(value) for value in message)
         return LoadStatus(bool(loaded), keys, blocks)
 
+    def agree_states(self, states: list[int] | None, count: int) -> list[int]:
+        """Rank 0's ``states`` (``count`` small integers) on every rank (other ranks pass None)."""
+        if self.size == 1:
+            assert states is not None
+            return states
+        message = torch.tensor(states if states is not None else [0] * count, dtype=torch.int64)
+        torch.distributed.broadcast(message, src=self._src, group=self.group)
+        return [int(value) for value in message]
+
     def scatter_heads(self, layer: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """Each rank's heads of rank 0's ``layer`` (``[planes, tokens, heads, head_dim]``) into ``out``.
 

@@ -1,0 +1,168 @@
+"""Loads of whole chunks in the background, finished or failed per request: how hybrid models load.
+
+With more than one KV cache group (a hybrid model: sliding-window and full-attention layers),
+vLLM cannot take a load failure block by block (a block id names a block of one group only, so
+vLLM 0.32 stops the engine if a connector reports one). It takes them per request instead, for
+asynchronous loads: the request waits (``WAITING_FOR_REMOTE_KVS``) until the connector reports it
+in ``finished_recving``, and is recomputed whole if it is also in ``failed_recving``. So a hybrid
+prefix hit is loaded whole or not at all: every group gets what it needs, or the request is a miss.
+
+The reading rank (the TP group's first) reads every chunk of a load into staging buffers on
+kvstore's event loop (``get_many``: one bounded call per tier); at the end of each step
+(:meth:`WholeChunkLoads.poll`) the ranks agree on which loads are done, and each done one is
+copied into the engine's blocks, each rank its own heads, layer by layer. Nothing is written
+into the engine's blocks until every chunk of the load has come and passed its checks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.connectors.paged import PagedLayer
+from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
+from kvstore.engine.sync import SyncKVStore
+from kvstore.errors import KVStoreError
+from kvstore.keys import ChunkKey
+from kvstore.layout import KVLayout
+
+log = logging.getLogger("kvstore.connectors.vllm")
+PENDING, LOADED, FAILED = 0, 1, 2
+
+
+@dataclass
+class BlockRun:
+    """One KV cache group's part of a load or save: tokens from ``first_row`` on, in ``block_ids`` (in order).
+
+    ``first_row`` counts from the start of the first chunk of the load (of the chunk, for a save).
+    """
+
+    first_row: int
+    block_ids: list[int]
+
+
+@dataclass
+class _WholeLoad:
+    req_id: str
+    runs: list[BlockRun]
+    chunks: int
+    tokens: int  # tokens the request gets from the load (what vLLM was told)
+    future: concurrent.futures.Future[list[bool]] | None = None  # the reading rank's reads
+    staging: torch.Tensor | None = None  # [chunks, layers, planes, tokens, heads, head_dim] (reading rank)
+    error: str = ""
+    block_tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+class WholeChunkLoads:
+    """Background loads of whole chunks for a hybrid model, reported per request (see the module docstring).
+
+    ``layer_groups[i]`` is the position (in ``runs``) of the group of chunk layer ``i``.
+    Methods run on the worker's thread; :meth:`start` does not block (the reads run on kvstore's
+    loop), :meth:`poll` copies the loads that are done and does not wait for the others. With
+    tensor parallelism both are called on every rank in the same order (the step's metadata).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        ranks: TensorParallelRanks,
+        store: SyncKVStore | None,
+        layers: Callable[[], list[PagedLayer]],
+        layer_groups: list[int],
+    ) -> None:
+        self.layout, self.ranks, self.store = layout, ranks, store
+        self._layers, self._layer_groups = layers, layer_groups
+        self._loads: list[_WholeLoad] = []
+        self.loaded_chunks = self.loaded_tokens = self.failures = 0
+
+    def start(self, req_id: str, keys: list[ChunkKey], runs: list[BlockRun], tokens: int) -> None:
+        """Begin reading ``keys`` (on the reading rank) for blocks ``runs``; reported by a later :meth:`poll`."""
+        load = _WholeLoad(req_id, runs, len(keys), tokens)
+        load.block_tensors = [torch.tensor(run.block_ids, dtype=torch.long) for run in runs]
+        self._loads.append(load)
+        if self.store is None:
+            return
+        load.staging = torch.empty((len(keys), *self.layout.chunk_shape), dtype=self.layout.dtype)
+        try:
+            load.future = self.store.submit(self.store.store.get_many(keys, list(load.staging)))  # type: ignore[arg-type]
+        except KVStoreError as exc:  # a closed store: the load fails at the next poll
+            load.error = f"the reads did not start: {exc!r}"
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        """Copy every load that is done into the engine's blocks: (requests finished, those of them failed)."""
+        if not self._loads:
+            return set(), set()
+        mine = [self._state(load) for load in self._loads] if self.store is not None else None
+        states = self.ranks.agree_states(mine, len(self._loads))
+        finished: set[str] = set()
+        failed: set[str] = set()
+        keep: list[_WholeLoad] = []
+        for load, state in zip(self._loads, states, strict=True):
+            if state == PENDING:
+                keep.append(load)
+                continue
+            finished.add(load.req_id)
+            if state == FAILED:
+                failed.add(load.req_id)
+                self.failures += 1
+                log.warning(
+                    "kvstore: request %s's cached prefix failed to load (%s); vLLM recomputes it",
+                    load.req_id, load.error or "a chunk failed on the reading rank",
+                )  # fmt: skip
+                continue
+            self._copy_into_blocks(load)
+            self.loaded_chunks += load.chunks
+            self.loaded_tokens += load.tokens
+        self._loads = keep
+        return finished, failed
+
+    def _state(self, load: _WholeLoad) -> int:
+        """The reading rank's view of ``load``: PENDING, LOADED or FAILED (``load.error`` says why)."""
+        if not load.chunks:
+            load.error = "the load did not match the engine's blocks"
+            return FAILED
+        if load.future is None:
+            return FAILED
+        if not load.future.done():
+            return PENDING
+        try:
+            results = load.future.result()
+        except Exception as exc:  # noqa: BLE001 - any failure of the reads is this load's failure
+            load.error = repr(exc)
+            return FAILED
+        if not all(result is not None for result in results):
+            load.error = f"{sum(result is None for result in results)} of {load.chunks} chunks did not load"
+            return FAILED
+        return LOADED
+
+    def _copy_into_blocks(self, load: _WholeLoad) -> None:
+        """Each layer of the staged chunks into its group's blocks (every rank its heads)."""
+        layers = self._layers()
+        tokens = load.chunks * self.layout.chunk_tokens
+        for index, layer in enumerate(layers):
+            group = self._layer_groups[index]
+            run, blocks = load.runs[group], load.block_tensors[group]
+            if not run.block_ids:
+                continue
+            rows = slice(run.first_row, run.first_row + len(run.block_ids) * layer.block_size)
+            whole = None
+            if load.staging is not None:  # [chunks, layers, planes, C, heads, dim] -> [planes, tokens, heads, dim]
+                planes, dim = self.layout.kv_planes, self.layout.head_dim
+                whole = load.staging[:, index].transpose(0, 1).reshape(planes, tokens, -1, dim)[:, rows]
+            if self.ranks.size > 1:
+                heads = self.ranks.heads(self.layout.num_kv_heads)
+                out = torch.empty(
+                    (self.layout.kv_planes, rows.stop - rows.start, heads.stop - heads.start, self.layout.head_dim),
+                    dtype=self.layout.dtype,
+                )
+                whole = self.ranks.scatter_heads(whole.contiguous() if whole is not None else None, out)
+            assert whole is not None
+            layer.scatter(blocks, whole)
+
+    def close(self) -> None:
+        """Forget every load (the engine is shutting down); reads in flight finish on kvstore's loop."""
+        self._loads.clear()
