@@ -86,7 +86,8 @@ class WholeChunkLoads:
         self._loads.append(load)
         if self.store is None:
             return
-        load.staging = torch.empty((len(keys), *self.layout.chunk_shape), dtype=self.layout.dtype)
+        with torch.inference_mode(False):  # vLLM's step runs in inference mode; kvstore's loop writes into it
+            load.staging = torch.empty((len(keys), *self.layout.chunk_shape), dtype=self.layout.dtype)
         try:
             load.future = self.store.submit(self.store.store.get_many(keys, list(load.staging)))  # type: ignore[arg-type]
         except KVStoreError as exc:  # a closed store: the load fails at the next poll
