@@ -499,13 +499,16 @@ def tiny_gemma(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def test_connector_hybrid_model_a_fresh_engine_loads_every_group(vllm_python, tiny_gemma, tmp_path, chunk_tokens):
     """Prompt of 1000 tokens, window 256. Chunks of 256: 3 reusable, the sliding layers' rows all
     stored. Chunks of 512: 1 reusable, the sliding layers store only their last 256 rows of it
-    (zeros before: no window reaches them), under a namespace of their own. The writer prefills in
-    steps of 384 tokens, so vLLM frees sliding-window blocks between the steps that save them."""
+    (zeros before: no window reaches them), under a namespace of their own; the fresh engine runs
+    at TP=2 (one KV head per worker). The writer prefills in steps of 384 tokens, so vLLM frees
+    sliding-window blocks between the steps that save them."""
     extra = disk_extra(tmp_path / "disk")
     extra["kvstore_chunk_tokens"] = chunk_tokens
     reusable = (1000 - 1) // chunk_tokens
     first = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,flush", args=["--max-batched-tokens", "384"])
-    fresh = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,other")
+    tp = 2 if chunk_tokens == 512 else 1
+    env = TP2_ENV if tp > 1 else None
+    fresh = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,other", env, args=["--tp", str(tp)])
     (run, other), stats = fresh["runs"], fresh["stats"]
     print(json.dumps(first["stats"]), json.dumps(stats))
     assert first["kv_cache_groups"] == [{"layers": [0, 2], "window": 256}, {"layers": [1, 3], "window": None}]
@@ -514,7 +517,8 @@ def test_connector_hybrid_model_a_fresh_engine_loads_every_group(vllm_python, ti
     assert other["tokens"] != run["tokens"]  # the output depends on the prompt
     assert run["tokens"] == first["runs"][0]["tokens"]
     assert run["cached_tokens"] == reusable * chunk_tokens
-    assert stats["connector"]["loaded_chunks"] == reusable and stats["connector"]["load_failures"] == 0
+    assert [rank["loaded_chunks"] for rank in stats["ranks"]] == [reusable] * tp
+    assert all(rank["load_failures"] == 0 for rank in stats["ranks"])
     assert stats["disk"]["hits"] == reusable
     assert fresh["namespace"].endswith("#rows=in-window") == (chunk_tokens == 512)
     if chunk_tokens == 256:  # a corrupt chunk fails the whole prefix (per request): recomputed, same tokens
