@@ -6,6 +6,9 @@ while the forward pass runs, and its greedy reply must be token-identical to a f
 (float32 model, float32 KV, lossless codecs). The fp8 codec's effect on the reply is measured and
 reported. A corrupt chunk makes the connector recompute: same reply, the corruption counted.
 
+Sliding-window layers are tested on a tiny Gemma-3-style model made here (random weights, float32,
+sliding and full attention layers alternating), whose window is shorter than the cached prefix.
+
 The model and transformers are installed by scripts/test.sh; if they are missing this module
 fails to import: these tests never skip.
 """
@@ -22,7 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 from support import TEST_BUCKET
-from transformers import DynamicCache
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    QuantizedCache,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
@@ -302,3 +312,202 @@ def test_a_cache_reshaped_before_the_forward_pass_loads_first(scenario, tmp_path
             output = scenario.model.generate(scenario.second, past_key_values=prefix.cache, **GREEDY)
     tokens, _, until_divergence = agreement(reply_of(output, scenario.second.shape[1]), scenario.second_reference)
     assert tokens == len(scenario.second_reference.tokens) and until_divergence < 1e-4
+
+
+# -- sliding-window layers: a tiny Gemma-3-style model, made here with random weights --------------
+
+SLIDING_DOCUMENT = 600  # tokens: 2 chunks of 256 and 88 more, far longer than the windows tested
+SLIDING_WINDOWS = pytest.mark.parametrize("window", [64, 300], ids=["window-inside-a-chunk", "window-across-chunks"])
+
+
+@dataclass
+class SlidingScenario:
+    model: Gemma3ForCausalLM
+    namespace: str
+    first: torch.Tensor  # document + question 1: caches the document's 2 chunks
+    second: torch.Tensor  # document + question 2: reuses them (512 tokens)
+    whole: torch.Tensor  # the document's 2 chunks alone: all but its last token reused
+    config: StoreConfig  # DRAM and disk; a fresh store reads the prefix from disk
+
+
+def tiny_gemma3(window: int, layer_types: list[str]) -> Gemma3ForCausalLM:
+    """4 layers, 4 query and 2 KV heads of 16, float32, random weights (seeded)."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=window,
+        layer_types=layer_types,
+        max_position_embeddings=1024,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def sliding_scenario(window: int, tmp_path: Path) -> SlidingScenario:
+    model = tiny_gemma3(window, ["sliding_attention", "full_attention"] * 2)
+    document = torch.randint(0, 512, (SLIDING_DOCUMENT,)).tolist()
+    first, second = (torch.tensor([document + torch.randint(0, 512, (20,)).tolist()]) for _ in range(2))
+    store = StoreConfig(dram={"capacity": "64MiB"}, disk={"path": tmp_path / "disk", "codec": "identity"})
+    return SlidingScenario(model, f"tiny-gemma3-w{window}", first, second, torch.tensor([document[:512]]), store)
+
+
+def cache_through_the_connector(sc: SlidingScenario) -> HFConnector:
+    """The first request, recomputed and saved by connector.generate; its chunks flushed to disk."""
+    with SyncKVStore(sc.config, layout_for_model(sc.model), namespace=sc.namespace) as store:
+        connector = HFConnector(sc.model, store)
+        with torch.inference_mode():
+            connector.generate(sc.first, max_new_tokens=1, do_sample=False)
+        store.flush()
+    return connector
+
+
+@SLIDING_WINDOWS
+def test_a_sliding_window_model_stores_every_token_of_every_layer(tmp_path, window):
+    """The chunks saved from a cache with sliding-window layers hold every token of every layer:
+    bit-identical to what a cache of full layers holds after the same prefill."""
+    sc = sliding_scenario(window, tmp_path)
+    assert {type(layer).__name__ for layer in DynamicCache(config=sc.model.config).layers} == {
+        "DynamicSlidingWindowLayer",
+        "DynamicLayer",
+    }
+    connector = cache_through_the_connector(sc)
+    assert connector.counters["saved_chunks"] == 2 and connector.counters["save_incomplete"] == 0
+    every_token = DynamicCache()  # no config: every layer keeps every token
+    with torch.inference_mode():
+        sc.model(sc.first, past_key_values=every_token)
+    with SyncKVStore(sc.config, layout_for_model(sc.model), namespace=sc.namespace) as store:
+        for index, key in enumerate(store.chunk_keys(sc.first[0].tolist())[:2]):
+            span = slice(index * 256, (index + 1) * 256)
+            expected = torch.stack(
+                [torch.stack([layer.keys[0, :, span], layer.values[0, :, span]]) for layer in every_token.layers]
+            ).transpose(2, 3)  # [layers, 2, tokens, heads, dim]
+            assert torch.equal(store.get(key), expected), f"chunk {index}"
+
+
+@SLIDING_WINDOWS
+def test_a_sliding_window_layer_is_loaded_as_transformers_would_have_left_it(tmp_path, window):
+    """After loading 512 tokens, every layer holds what it would after computing them: the
+    sliding layers their last window - 1 tokens, the prefix length, the same mask sizes."""
+    sc = sliding_scenario(window, tmp_path)
+    cache_through_the_connector(sc)
+    computed = DynamicCache(config=sc.model.config)
+    with torch.inference_mode():
+        sc.model(sc.second[:, :512], past_key_values=computed)
+    with SyncKVStore(sc.config, layout_for_model(sc.model), namespace=sc.namespace) as store:
+        prefix = HFConnector(sc.model, store).load(sc.second)
+        assert prefix.reused_tokens == 512
+        pending_sizes = [prefix.cache.get_mask_sizes(20, index) for index in range(4)]
+        prefix.cache.crop(0)  # fills every layer
+    assert pending_sizes == [computed.get_mask_sizes(20, index) for index in range(4)]
+    for index, (loaded, want) in enumerate(zip(prefix.cache.layers, computed.layers, strict=True)):
+        assert loaded.is_sliding == want.is_sliding
+        assert torch.equal(loaded.keys, want.keys) and torch.equal(loaded.values, want.values), f"layer {index}"
+        assert loaded.get_seq_length() == want.get_seq_length() == 512
+        assert loaded.get_mask_sizes(20) == want.get_mask_sizes(20)
+    assert prefix.cache.layers[0].keys.shape[-2] == min(512, window - 1)
+
+
+@SLIDING_WINDOWS
+def test_a_sliding_window_prefix_from_disk_gives_the_recompute_s_reply(tmp_path, window):
+    """Prefix longer than the window, loaded from disk into a fresh store: the greedy reply and its
+    logits equal a full recompute's, for a new question and for a prompt cached whole."""
+    sc = sliding_scenario(window, tmp_path)
+    cache_through_the_connector(sc)
+    for prompt, reused in ((sc.second, 512), (sc.whole, 511)):
+        with torch.inference_mode():
+            reference = reply_of(sc.model.generate(prompt, **GREEDY), prompt.shape[1])
+        with SyncKVStore(sc.config, layout_for_model(sc.model), namespace=sc.namespace) as store:
+            connector = HFConnector(sc.model, store)
+            with torch.inference_mode():
+                reply = reply_of(connector.generate(prompt, save=False, **GREEDY), prompt.shape[1])
+            stats = connector.stats()
+        assert stats["connector"]["reused_tokens"] == reused and stats["connector"]["fallbacks"] == 0
+        assert stats["disk"]["hits"] == 2 and stats["store"]["streamed_from_dram"] == 0
+        assert reply.tokens == reference.tokens
+        assert (reply.logits - reference.logits).abs().max().item() < 1e-4
+
+
+def test_a_sliding_window_cache_cropped_before_the_forward_pass_keeps_the_right_window(tmp_path):
+    """crop(-100) on a cache still waiting for its prefix: the sliding layers keep the window
+    before token 412, not the one before 512, and the reply equals the recompute's."""
+    sc = sliding_scenario(64, tmp_path)
+    cache_through_the_connector(sc)
+    with torch.inference_mode():
+        reference = reply_of(sc.model.generate(sc.second, **GREEDY), sc.second.shape[1])
+    with SyncKVStore(sc.config, layout_for_model(sc.model), namespace=sc.namespace) as store:
+        prefix = HFConnector(sc.model, store).load(sc.second)
+        prefix.cache.crop(-100)
+        assert prefix.complete and prefix.cache.get_seq_length() == 412
+        computed = DynamicCache(config=sc.model.config)
+        with torch.inference_mode():
+            sc.model(sc.second[:, :412], past_key_values=computed)
+            assert torch.equal(prefix.cache.layers[0].keys, computed.layers[0].keys)
+            output = sc.model.generate(sc.second, past_key_values=prefix.cache, **GREEDY)
+    reply = reply_of(output, sc.second.shape[1])
+    assert reply.tokens == reference.tokens
+    assert (reply.logits - reference.logits).abs().max().item() < 1e-4
+
+
+def test_a_cache_whose_sliding_layers_dropped_tokens_saves_no_chunk_with_holes(tmp_path):
+    """A plain DynamicCache keeps only the window of its sliding layers: its chunks are not saved
+    (counted), rather than stored with the dropped tokens missing."""
+    sc = sliding_scenario(64, tmp_path)
+    plain = DynamicCache(config=sc.model.config)
+    with torch.inference_mode():
+        sc.model(sc.first, past_key_values=plain)
+    with SyncKVStore(sc.config, layout_for_model(sc.model), namespace=sc.namespace) as store:
+        connector = HFConnector(sc.model, store)
+        assert connector.save(sc.first[0], plain, start_chunk=0) == 0
+        assert connector.counters["save_incomplete"] == 2
+        assert store.lookup(store.chunk_keys(sc.first[0].tolist())) == 0
+
+
+def test_a_model_with_linear_attention_layers_is_refused_with_the_alternative(tmp_path):
+    """Qwen3-Next's linear-attention layers keep a recurrent state, not per-token KV: the connector
+    refuses the model when it is built, naming the layer type and what to do instead."""
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
+    model = Qwen3NextForCausalLM(config).eval()
+    store_config = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False})
+    with SyncKVStore(store_config, layout_for_model(model), namespace="tiny-qwen3-next") as store:
+        with pytest.raises(NotImplementedError, match=r"LinearAttentionLayer at layers \[0, 1, 2\]") as refused:
+            HFConnector(model, store)
+    message = str(refused.value)
+    assert "Qwen3NextForCausalLM" in message and "model.generate" in message and "DynamicSlidingWindowLayer" in message
+
+
+def test_a_quantized_cache_is_refused_when_saved_with_the_alternative(tmp_path):
+    """transformers' fp8 QuantizedCache keeps quantized KV (its layers are DynamicLayer subclasses):
+    saving it is refused, pointing at a lossy codec on the tiers instead."""
+    model = tiny_gemma3(64, ["full_attention"] * 4)
+    ids = torch.randint(0, 512, (1, 300))
+    quantized = QuantizedCache(backend="fp8", config=model.config)
+    with torch.inference_mode():
+        model(ids, past_key_values=quantized)
+    store_config = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False})
+    with SyncKVStore(store_config, layout_for_model(model), namespace="tiny-gemma3-full") as store:
+        connector = HFConnector(model, store)
+        with pytest.raises(NotImplementedError, match=r"Fp8QuantizedLayer at layers \[0, 1, 2, 3\].*codec = 'fp8'"):
+            connector.save(ids[0], quantized, start_chunk=0)
+        assert store.lookup(store.chunk_keys(ids[0].tolist())) == 0

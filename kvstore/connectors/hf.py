@@ -17,6 +17,19 @@ full chunks the store lacked are put (the store cascades them to disk, Redis, S3
 that fails to load (a chunk corrupt or gone, a tier timing out) is recomputed instead: counted,
 never wrong KV.
 
+Sliding-window models (Gemma 2 and 3, Mistral, ...; transformers' ``DynamicSlidingWindowLayer``)
+are served too, with the same chunks: a chunk holds every token of every layer, whatever the
+layer's type, so it means the same to any request that reaches it. The cache :meth:`HFConnector.load`
+makes keeps every token of its sliding-window layers for the request's lifetime (by the end of a
+long prefill transformers would have dropped all but the window, and such a chunk could not be
+stored whole); on load, a sliding-window layer gets only what transformers itself would hold after
+computing the prefix: its last ``sliding_window - 1`` tokens, and the prefix's length as
+``cumulative_length``. A cache whose layers no longer hold a chunk's tokens saves no chunk from
+there on (counted in ``save_incomplete``): never a chunk with holes. A model whose cache has
+layers that are not per-token attention KV (linear-attention and Mamba states, shared KV) is
+refused when the connector is built, a quantized cache when it is saved, each with the reason and
+the alternative. See :mod:`kvstore.connectors.hf_cache`.
+
 The namespace must name the exact weights (and anything else that changes the KV): the layout
 fingerprint only tells shapes and dtypes apart, not two models that share them.
 :func:`namespace_for_model` derives one from the checkpoint's bytes and the model's config
@@ -26,7 +39,6 @@ fingerprint only tells shapes and dtypes apart, not two models that share them.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,17 +46,32 @@ import torch
 
 try:
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvstore.connectors.hf needs Hugging Face transformers >= 5.0: pip install 'kvstore[hf]'"
     ) from exc
 
+from kvstore.connectors.hf_cache import (
+    LoadedPrefix,
+    StreamedPrefixLayer,
+    StreamedSlidingWindowPrefixLayer,
+    check_storable,
+    first_held_token,
+)
 from kvstore.connectors.identity import default_namespace
-from kvstore.engine.sync import SyncKVStore, SyncLayerStream
+from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
+
+__all__ = [
+    "HFConnector",
+    "LoadedPrefix",
+    "StreamedPrefixLayer",
+    "StreamedSlidingWindowPrefixLayer",
+    "layout_for_model",
+    "namespace_for_model",
+]
 
 log = logging.getLogger("kvstore.connectors.hf")
 
@@ -88,176 +115,6 @@ def namespace_for_model(model: Any, *, revision: str | None = None) -> str:
     return default_namespace("hf", str(name), settings, revision)
 
 
-class LoadedPrefix:
-    """A request's ``DynamicCache``, whose first ``reused_tokens`` tokens stream in from the store.
-
-    ``chunks`` chunks are loaded (0: nothing was cached, the cache starts empty). Close it (or
-    use ``with``) if the forward pass never ran: that releases what the stream holds. It closes
-    itself once every layer has been handed to the model.
-    """
-
-    def __init__(
-        self, model: Any, keys: list[ChunkKey], chunks: int = 0, reused_tokens: int = 0, prompt_tokens: int = 0
-    ) -> None:
-        self.keys, self.chunks, self.reused_tokens = keys, chunks, reused_tokens
-        self.prompt_tokens = prompt_tokens
-        self.model_dtype, self.model_device = model.dtype, model.device
-        self.waited = 0.0  # seconds the forward pass spent waiting for layers
-        self.cache = DynamicCache(config=model.config)
-        self.buffers: list[torch.Tensor] = []  # per layer [planes, 1, heads, prompt_tokens, dim], if in place
-        self._stream: SyncLayerStream | None = None
-        self._wait_timeout: float | None = None
-        self._pending = 0  # layers still waiting for their part of the prefix (engine thread only)
-
-    def start(self, store: SyncKVStore, wait_timeout: float) -> None:
-        """Start streaming the prefix; every layer of the cache waits for its own part of it.
-
-        When the model keeps its KV on the CPU in the stored dtype, each layer's prefix is
-        written straight into the tensor the model will use (prompt-long, in the model's
-        ``[1, heads, tokens, dim]`` order): the tokens after the prefix are added in place, no copy.
-        """
-        layout: KVLayout = store.store.layout
-        shape = (layout.kv_planes, 1, layout.num_kv_heads, self.prompt_tokens, layout.head_dim)
-        outs = None
-        if layout.dtype == self.model_dtype and self.model_device.type == "cpu":
-            # Plain tensors even under torch.inference_mode(): the store's thread writes them outside it.
-            with torch.inference_mode(False):
-                self.buffers = [torch.empty(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
-            loaded = self.chunks * layout.chunk_tokens  # <= prompt_tokens
-            outs = [buffer[:, 0, :, :loaded].permute(0, 2, 1, 3) for buffer in self.buffers]  # canonical order
-        self._stream = store.prefetch(self.keys[: self.chunks], depth=layout.num_layers, outs=outs)
-        self._wait_timeout = wait_timeout
-        self._pending = len(self.cache.layers)
-        self.cache.layers = [StreamedPrefixLayer(self, index) for index in range(len(self.cache.layers))]
-
-    @property
-    def complete(self) -> bool:
-        """True when every layer of the prefix is in the cache (or there was none to load)."""
-        return self._pending == 0
-
-    def layer_kv(self, index: int) -> torch.Tensor:
-        """Layer ``index`` of the prefix, ``[planes, chunks * chunk_tokens, heads, head_dim]``.
-
-        Raises :class:`PrefetchError` if it cannot be loaded (or does not arrive in time).
-        """
-        if self._stream is None:
-            raise PrefetchError("the prefix stream is closed")
-        started = time.perf_counter()
-        try:
-            kv = self._stream.wait_layer(index, self._wait_timeout)
-        except TimeoutError as exc:
-            raise PrefetchError(f"layer {index} of the cached prefix did not arrive: {exc}") from None
-        finally:
-            self.waited += time.perf_counter() - started
-        return kv
-
-    def layer_done(self, index: int) -> None:
-        """Layer ``index`` is in the cache; after the last one, the stream is released."""
-        self._pending -= 1
-        if self._pending == 0:
-            self.close()
-
-    def close(self) -> None:
-        self.buffers = []  # the layers that took theirs keep them
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.close()
-
-    def __enter__(self) -> LoadedPrefix:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class StreamedPrefixLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose first tokens come from a layer stream, fetched when first needed.
-
-    Before its data is in, it reports the prefix's length (the model computes positions and
-    masks from that); its first ``update`` waits for the layer and writes prefix and new tokens
-    into one tensor, a single copy. From then on it is a plain ``DynamicLayer``.
-    """
-
-    def __init__(self, prefix: LoadedPrefix, index: int) -> None:
-        super().__init__()
-        self._prefix: LoadedPrefix | None = prefix
-        self._index = index
-
-    @property
-    def pending(self) -> bool:
-        return self._prefix is not None
-
-    def get_seq_length(self) -> int:
-        return self._prefix.reused_tokens if self._prefix is not None else super().get_seq_length()
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._prefix is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self._fill(key_states, value_states)
-        return self.keys, self.values
-
-    def _fill(self, key_states: torch.Tensor | None = None, value_states: torch.Tensor | None = None) -> None:
-        """Wait for the prefix's layer; the cache becomes prefix + ``key_states`` (``[1, heads, new, dim]``)."""
-        prefix = self._prefix
-        assert prefix is not None
-        kv = prefix.layer_kv(self._index)  # [planes, chunks * tokens, heads, dim]
-        reused = prefix.reused_tokens
-        new = 0 if key_states is None else key_states.shape[-2]
-        if prefix.buffers and reused + new == prefix.prompt_tokens:
-            # The prefix already sits in the model's tensors; the new tokens go after it.
-            planes = [plane[..., : reused + new, :] for plane in prefix.buffers[self._index]]
-            for plane, states in zip(planes, (key_states, value_states), strict=True):
-                if states is not None:
-                    plane[..., reused:, :].copy_(states)
-        else:  # another dtype or device, or not the prompt's remaining tokens: one copy (casting, moving)
-            dtype = prefix.model_dtype if key_states is None else key_states.dtype
-            device = prefix.model_device if key_states is None else key_states.device
-            planes = []
-            for plane, states in enumerate((key_states, value_states)):
-                full = torch.empty((1, kv.shape[2], reused + new, kv.shape[3]), dtype=dtype, device=device)
-                full[0, :, :reused].copy_(kv[plane, :reused].transpose(0, 1))
-                if states is not None:
-                    full[:, :, reused:].copy_(states)
-                planes.append(full)
-        self.keys, self.values = planes
-        self.dtype, self.device, self.is_initialized = self.keys.dtype, self.keys.device, True
-        self._prefix = None
-        prefix.layer_done(self._index)
-
-    def _materialized(self) -> None:
-        if self._prefix is not None:
-            self._fill()
-
-    # Everything else that reads or reshapes the tensors needs the prefix first.
-    def crop(self, tokens_to_remove: int) -> None:
-        self._materialized()
-        super().crop(tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._materialized()
-        super().batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._materialized()
-        super().batch_select_indices(indices)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._materialized()
-        super().reorder_cache(beam_idx)
-
-    def offload(self) -> None:
-        self._materialized()
-        super().offload()
-
-    def reset(self) -> None:
-        prefix, self._prefix = self._prefix, None
-        if prefix is not None:
-            prefix.layer_done(self._index)
-        super().reset()
-
-
 class HFConnector:
     """Prefix reuse for one transformers model over a :class:`SyncKVStore` built for its layout.
 
@@ -266,6 +123,7 @@ class HFConnector:
 
     def __init__(self, model: Any, store: SyncKVStore, *, extra: bytes | None = None) -> None:
         """``extra``: bytes that change the KV for the same tokens (a LoRA adapter's id), folded into keys."""
+        check_storable(DynamicCache(config=model.config), f"the cache of {type(model).__name__}")
         layout: KVLayout = store.store.layout
         expected = layout_for_model(model, dtype=layout.dtype, chunk_tokens=layout.chunk_tokens)
         for field in ("num_layers", "num_kv_heads", "head_dim", "kv_planes"):
@@ -274,13 +132,6 @@ class HFConnector:
                     f"the store's layout has {field}={getattr(layout, field)} but the model has "
                     f"{getattr(expected, field)}: build the store with layout_for_model(model)"
                 )
-        unsupported = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
-        unsupported -= {DynamicLayer.__name__}
-        if unsupported:
-            raise NotImplementedError(
-                f"HFConnector supports full-attention layers (DynamicLayer) only; this model's cache "
-                f"also has {sorted(unsupported)}"
-            )
         self.model, self.store, self.layout, self.extra = model, store, layout, extra
         timeouts = store.store.config.timeouts
         # A layer waits at most for the tiers' header reads plus its own read, each bounded.
@@ -293,6 +144,7 @@ class HFConnector:
             "loaded_chunks": 0,
             "saved_chunks": 0,
             "save_rejected": 0,
+            "save_incomplete": 0,  # chunks not saved: a sliding-window layer had dropped some of their tokens
             "fallbacks": 0,
             "load_wait_seconds": 0.0,
         }
@@ -322,6 +174,10 @@ class HFConnector:
 
         ``start_chunk=None`` asks the store where its stored prefix ends. ``token_ids`` are the
         tokens whose KV the cache holds, in order (the prompt, or prompt and reply for the next turn).
+        A chunk is stored whole (every token, every layer) or not at all: saving stops at the first
+        chunk whose tokens some layer no longer holds (a plain ``DynamicSlidingWindowLayer`` keeps
+        only its window; the caches :meth:`load` makes keep every token), counted in
+        ``counters["save_incomplete"]``.
         """
         tokens = _prompt_tokens(token_ids)
         return self._save(self.store.chunk_keys(tokens, self.extra), len(tokens), cache, start_chunk)
@@ -329,15 +185,23 @@ class HFConnector:
     def _save(self, keys: list[ChunkKey], n_tokens: int, cache: DynamicCache, start_chunk: int | None) -> int:
         if any(getattr(layer, "pending", False) for layer in cache.layers):
             raise ValueError("the cache still waits for prefix layers: run the forward pass before saving")
+        check_storable(cache, "the cache to save")
         size = self.layout.chunk_tokens
         held = min(cache.get_seq_length(), n_tokens) // size
         first = self.store.lookup(keys) if start_chunk is None else start_chunk
+        last = min(held, len(keys))  # one past the last chunk to save
+        starts = [first_held_token(layer) for layer in cache.layers]
+        if first < last and any(start is None or start > first * size for start in starts):
+            # A layer lacks the first chunk's tokens (it holds a suffix of the tokens). The chunks after
+            # it are not saved either: the stored prefix would still end here, so they would never be found.
+            self.counters["save_incomplete"] += last - first
+            last = first
         if self._staging is None:
             self._staging = torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
         staging, saved = self._staging, 0
-        for index in range(first, min(held, len(keys))):
-            span = slice(index * size, (index + 1) * size)
-            for layer_index, layer in enumerate(cache.layers):
+        for index in range(first, last):
+            for layer_index, (layer, held_from) in enumerate(zip(cache.layers, starts, strict=True)):
+                span = slice(index * size - held_from, (index + 1) * size - held_from)
                 staging[layer_index, 0].copy_(layer.keys[0, :, span].transpose(0, 1))
                 staging[layer_index, 1].copy_(layer.values[0, :, span].transpose(0, 1))
             if self.store.put(keys[index], staging):  # copies into DRAM before it returns
