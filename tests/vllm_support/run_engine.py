@@ -53,6 +53,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         dtype="float32",
         max_model_len=4096,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=True,
         seed=0,
         kv_transfer_config=transfer,
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--freeze-pid", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
