@@ -52,6 +52,19 @@ def test_scatter_writes_only_the_given_blocks_and_round_trips(fmt):
     assert target_cache[untouched].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_blocks_move_bit_exactly(dtype):
+    """What an engine with an fp8 KV cache holds moves unchanged, byte for byte (the connector
+    still refuses fp8 caches: no engine here runs them; see engine_config.layout_for_vllm)."""
+    k, v = torch.randn(BLOCKS, HEADS, BLOCK, DIM).to(dtype), torch.randn(BLOCKS, HEADS, BLOCK, DIM).to(dtype)
+    cache = kernel_cache("cpu_vec", k.view(torch.uint8), v.view(torch.uint8)).view(dtype)
+    chunk = torch.empty(2, 2 * BLOCK, HEADS, DIM, dtype=dtype)
+    PagedLayer(cache, "cpu_vec", DIM).gather(torch.tensor([5, 2]), chunk)
+    target = torch.zeros_like(cache)
+    PagedLayer(target, "cpu_vec", DIM).scatter(torch.tensor([0, 1]), chunk)
+    assert torch.equal(target[:2].view(torch.uint8), cache[[5, 2]].view(torch.uint8))
+
+
 def test_cpu_vec_differs_from_opaque_so_the_formats_cannot_be_confused():
     k, v = torch.randn(BLOCKS, HEADS, BLOCK, DIM), torch.randn(BLOCKS, HEADS, BLOCK, DIM)
     cache = kernel_cache("cpu_vec", k, v)
