@@ -240,6 +240,48 @@ def test_connector_an_fp8_kv_cache_stops_the_engine_saying_to_use_auto(vllm_pyth
     assert "Use kv_cache_dtype 'auto'" in failed["output"]
 
 
+LAYOUT_CHECK = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from kvstore.connectors.vllm.engine_config import expected_paged_format, layout_for_vllm
+from kvstore.errors import ConfigError
+
+def refusal(config):
+    try:
+        layout_for_vllm(config, 256)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+config = EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=4096).create_engine_config()
+layout = layout_for_vllm(config, 256)
+report = {"layout": [layout.num_layers, layout.kv_planes, layout.num_kv_heads, layout.head_dim]}
+report["format"], report["block_size"] = expected_paged_format(config)[0], config.cache_config.block_size
+config.parallel_config.pipeline_parallel_size = 2
+report["pipeline"] = refusal(config)
+config.parallel_config.pipeline_parallel_size = 1
+config.model_config.hf_text_config.index_topk = 2048  # what makes DeepSeek-V3.2's MLA sparse
+report["sparse"] = refusal(config)
+print(json.dumps(report))
+"""
+
+
+def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, tiny_mla):
+    """From vLLM's own configuration, without an engine: an MLA model's chunk is one latent plane
+    of one head; pipeline parallelism and sparse MLA are refused, naming the limit and what to do."""
+    result = subprocess.run(
+        [str(vllm_python), "-c", LAYOUT_CHECK, str(tiny_mla)], capture_output=True, text=True, timeout=ENGINE_TIMEOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,  # cwd first on sys.path: this checkout's kvstore
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["layout"] == [2, 1, 1, 512 + 64]  # layers, planes, heads, kv_lora_rank + qk_rope_head_dim
+    assert report["format"] == "mla_latent" and report["block_size"] == 16  # vLLM's CPU MLA kernels: blocks of 16
+    assert "do not support pipeline parallelism (pipeline_parallel_size 2)" in report["pipeline"]
+    assert "use pipeline_parallel_size 1" in report["pipeline"]
+    assert "not sparse ones" in report["sparse"] and "without kvstore" in report["sparse"]
+
+
 def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python, tiny_llama, tmp_path):
     """The paged-block format of vLLM's CPU backend is read right: K is K, V is V, token order kept.
 

@@ -50,6 +50,12 @@ def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
             f"kvstore_chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size ({block_size}); "
             "change one of them (e.g. --block-size 16, or kvstore_chunk_tokens 256)"
         )
+    if model.use_mla and getattr(getattr(model, "hf_text_config", None), "index_topk", None):
+        raise ConfigError(
+            "kvstore's vLLM connector supports dense MLA models (DeepSeek-V2/V3 style), not sparse ones "
+            "(DeepSeek-V3.2 and later: an indexer's cache beside the latents, fp8-packed); serve this model "
+            "without kvstore"
+        )
     if model.use_mla:  # the latent is replicated across tensor-parallel ranks: one head, one plane
         return KVLayout(
             num_layers=model.get_num_layers(parallel),
