@@ -3,8 +3,9 @@
 vLLM lives in its own virtual environment (``.venv-vllm``, made by scripts/test.sh: its torch
 and transformers pins differ from ours), so each engine runs as a subprocess of that
 environment's Python (tests/vllm_support/run_engine.py) and reports output tokens, how many
-prompt tokens vLLM did not compute, and kvstore's counters. The model is a tiny Llama made
-locally (random weights, a tokenizer trained here): no downloads.
+prompt tokens vLLM did not compute, and kvstore's counters. The models are a tiny Llama and a
+tiny DeepSeek-V2-style MLA model made locally (random weights, a tokenizer trained here): no
+downloads.
 
 A prompt of 1000 tokens has 3 full chunks of 256 that may be reused (the last token is always
 computed); vLLM's block size is 128.
@@ -240,38 +241,12 @@ def test_connector_an_fp8_kv_cache_stops_the_engine_saying_to_use_auto(vllm_pyth
     assert "Use kv_cache_dtype 'auto'" in failed["output"]
 
 
-LAYOUT_CHECK = """
-import json, sys
-from vllm.engine.arg_utils import EngineArgs
-from kvstore.connectors.vllm.engine_config import expected_paged_format, layout_for_vllm
-from kvstore.errors import ConfigError
-
-def refusal(config):
-    try:
-        layout_for_vllm(config, 256)
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-config = EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=4096).create_engine_config()
-layout = layout_for_vllm(config, 256)
-report = {"layout": [layout.num_layers, layout.kv_planes, layout.num_kv_heads, layout.head_dim]}
-report["format"], report["block_size"] = expected_paged_format(config)[0], config.cache_config.block_size
-config.parallel_config.pipeline_parallel_size = 2
-report["pipeline"] = refusal(config)
-config.parallel_config.pipeline_parallel_size = 1
-config.model_config.hf_text_config.index_topk = 2048  # what makes DeepSeek-V3.2's MLA sparse
-report["sparse"] = refusal(config)
-print(json.dumps(report))
-"""
-
-
 def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, tiny_mla):
     """From vLLM's own configuration, without an engine: an MLA model's chunk is one latent plane
     of one head; pipeline parallelism and sparse MLA are refused, naming the limit and what to do."""
     result = subprocess.run(
-        [str(vllm_python), "-c", LAYOUT_CHECK, str(tiny_mla)], capture_output=True, text=True, timeout=ENGINE_TIMEOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,  # cwd first on sys.path: this checkout's kvstore
+        [str(vllm_python), str(SUPPORT / "layout_check.py"), str(tiny_mla)], capture_output=True, text=True,
+        timeout=ENGINE_TIMEOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -342,9 +317,8 @@ def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, t
     (the first ``kv_lora_rank`` values of a token's latent) is the normalized down-projection
     of the token's embedding, computed here from the checkpoint's weights.
     """
-    from safetensors.torch import load_file
-
     from kvstore import KVLayout
+    from tests.vllm_support.mla_reference import layer0_compressed_kv
 
     extra = disk_extra(tmp_path / "disk")
     first = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen,other,flush", block_size=16)
@@ -370,18 +344,7 @@ def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, t
     with SyncKVStore(store_config, layout, namespace=first["namespace"]) as store:
         chunk = store.get(store.chunk_keys(prompt(0, 1000))[0])
     assert chunk is not None and chunk.shape == (2, 1, 256, 1, rank + rope)
-    weights = load_file(tiny_mla / "model.safetensors")
-    eps = config["rms_norm_eps"]
-
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-    hidden = weights["model.embed_tokens.weight"][torch.tensor(prompt(0, 256))]
-    attn = "model.layers.0.self_attn."
-    hidden = rms_norm(hidden, weights["model.layers.0.input_layernorm.weight"])
-    compressed = (hidden @ weights[attn + "kv_a_proj_with_mqa.weight"].T)[:, :rank]
-    want = rms_norm(compressed, weights[attn + "kv_a_layernorm.weight"])
-    got = chunk[0, 0, :, 0, :rank]
+    got, want = chunk[0, 0, :, 0, :rank], layer0_compressed_kv(tiny_mla, prompt(0, 256))
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
