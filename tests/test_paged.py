@@ -52,6 +52,19 @@ def test_scatter_writes_only_the_given_blocks_and_round_trips(fmt):
     assert target_cache[untouched].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_blocks_move_bit_exactly(dtype):
+    """What an engine with an fp8 KV cache holds moves unchanged, byte for byte (the connector
+    still refuses fp8 caches: no engine here runs them; see engine_config.layout_for_vllm)."""
+    k, v = torch.randn(BLOCKS, HEADS, BLOCK, DIM).to(dtype), torch.randn(BLOCKS, HEADS, BLOCK, DIM).to(dtype)
+    cache = kernel_cache("cpu_vec", k.view(torch.uint8), v.view(torch.uint8)).view(dtype)
+    chunk = torch.empty(2, 2 * BLOCK, HEADS, DIM, dtype=dtype)
+    PagedLayer(cache, "cpu_vec", DIM).gather(torch.tensor([5, 2]), chunk)
+    target = torch.zeros_like(cache)
+    PagedLayer(target, "cpu_vec", DIM).scatter(torch.tensor([0, 1]), chunk)
+    assert torch.equal(target[:2].view(torch.uint8), cache[[5, 2]].view(torch.uint8))
+
+
 def test_cpu_vec_differs_from_opaque_so_the_formats_cannot_be_confused():
     k, v = torch.randn(BLOCKS, HEADS, BLOCK, DIM), torch.randn(BLOCKS, HEADS, BLOCK, DIM)
     cache = kernel_cache("cpu_vec", k, v)
@@ -61,7 +74,34 @@ def test_cpu_vec_differs_from_opaque_so_the_formats_cannot_be_confused():
     assert torch.equal(out_vec[1], out_opaque[1]) and not torch.equal(out_vec[0], out_opaque[0])
 
 
+@pytest.mark.parametrize("heads_dim", [True, False], ids=["4d", "3d"])
+def test_mla_latents_gather_and_scatter_as_one_plane_of_one_head(heads_dim):
+    """vLLM's MLA cache, [blocks, block_size, latent] (or with a heads dimension of 1), is one plane."""
+    latent = 2 * DIM + 4  # e.g. kv_lora_rank + qk_rope_head_dim; not 2 x anything the layout names
+    tokens = torch.randn(BLOCKS, BLOCK, latent)
+    cache = tokens.unsqueeze(1) if heads_dim else tokens
+    layer = PagedLayer(cache, "mla_latent", latent)
+    assert (layer.planes, layer.heads, layer.block_size) == (1, 1, BLOCK)
+    blocks = [4, 0, 8]
+    out = torch.empty(1, len(blocks) * BLOCK, 1, latent)
+    layer.gather(torch.tensor(blocks), out)
+    assert torch.equal(out[0, :, 0], tokens[blocks].reshape(-1, latent))
+    target = torch.zeros_like(cache)
+    PagedLayer(target, "mla_latent", latent).scatter(torch.tensor([1, 2, 3]), out)
+    assert torch.equal(target.view(BLOCKS, BLOCK, latent)[1:4], tokens[blocks])
+    assert target.view(BLOCKS, BLOCK, latent)[[0, *range(4, BLOCKS)]].abs().sum() == 0
+
+
+def test_mla_layers_that_are_not_one_latent_per_token_are_refused():
+    with pytest.raises(ValueError, match="one latent of 576 per token"):
+        PagedLayer(torch.zeros(4, 16, 656, dtype=torch.uint8), "mla_latent", 576)  # fp8_ds_mla packing
+    with pytest.raises(ValueError, match="one latent of 576 per token"):
+        PagedLayer(torch.zeros(4, 2, 16, 576), "mla_latent", 576)  # two heads: not a latent cache
+
+
 def test_formats_of_vllm_backends():
+    assert paged_format("CPU_MLA") == paged_format("AMX_MLA") == paged_format("FLASHMLA") == "mla_latent"
+    assert paged_format("FLASHMLA_SPARSE") == "opaque"  # DeepSeek-V3.2's fp8 packing: not a plain latent
     assert paged_format("CPU_ATTN", "vec") == "cpu_vec"
     assert paged_format("CPU_ATTN", "amx") == "opaque"  # packed for AMX tiles: moved, not interpreted
     assert paged_format("FLASH_ATTN") == "kv_split"
@@ -70,7 +110,7 @@ def test_formats_of_vllm_backends():
 
 def test_shapes_kvstore_cannot_read_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="2 x head_dim"):
-        PagedLayer(torch.zeros(4, 2, 16, 24), "kv_split", DIM)  # MLA-like content
+        PagedLayer(torch.zeros(4, 2, 16, 24), "kv_split", DIM)  # an MLA latent read as K and V
     with pytest.raises(ValueError, match=r"\[blocks, heads, tokens, content\]"):
         PagedLayer(torch.zeros(2, 4, 2, 16, 16), "kv_split", DIM)
     with pytest.raises(ValueError, match="contiguous"):

