@@ -53,6 +53,15 @@ def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_4kv(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 4 KV heads (8 attention heads): tensor parallelism of 2 splits them 2 + 2."""
+    path = tmp_path_factory.mktemp("tiny-llama-4kv")
+    command = [str(vllm_python), str(SUPPORT / "tiny_llama.py"), str(path), "--kv-heads", "4"]
+    subprocess.run(command, check=True, capture_output=True)
+    return path
+
+
 def run_engine(
     python: Path,
     model: Path,
@@ -63,12 +72,17 @@ def run_engine(
     mode: str = "connector",
     freeze_pid: int = 0,
     expect_failure: bool = False,
+    options: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed."""
+    """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed.
+
+    ``options``: more of run_engine.py's arguments (``--tensor-parallel-size 2``, ``--max-tokens 8``).
+    """
     out = workdir / f"report-{uuid.uuid4().hex[:8]}.json"
     command = [
         str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
         "--extra", json.dumps(extra), "--steps", steps, "--out", str(out), "--freeze-pid", str(freeze_pid),
+        *options,
     ]  # fmt: skip
     result = subprocess.run(
         command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT
@@ -309,7 +323,7 @@ def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
     result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
     print(result.stdout[-2000:])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "10 passed" in result.stdout
+    assert "15 passed" in result.stdout
 
 
 # vLLM's offloading worker refuses the CPU platform; tests/vllm_support/cpu_offload_spec.py is a
@@ -319,13 +333,14 @@ def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
 # part of the first.
 
 
-def tier_extra(config: dict[str, Any]) -> dict[str, Any]:
+def tier_extra(config: dict[str, Any], cpu_bytes: int = 4 * (2 * 2 * 256 * 2 * 32 * 4)) -> dict[str, Any]:
+    """``cpu_bytes``: vLLM's primary tier; by default 4 chunks (layers x K,V x tokens x heads x dim x fp32)."""
     tier = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm", "kvstore_config": config}
     return {
         "spec_name": "CPUTestTieringOffloadingSpec",
         "spec_module_path": "cpu_offload_spec",
         "block_size": 256,
-        "cpu_bytes_to_use": 4 * (2 * 2 * 256 * 2 * 32 * 4),  # 4 chunks: layers x K,V x tokens x heads x dim x fp32
+        "cpu_bytes_to_use": cpu_bytes,
         "secondary_tiers": [tier],
     }
 
@@ -407,3 +422,59 @@ def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp
     assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
     assert stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS
     assert stats["redis"]["hits"] == REUSABLE_CHUNKS
+
+
+def test_tier_chunks_written_at_one_tensor_parallel_degree_load_at_another(
+    vllm_python, tiny_llama_4kv, tmp_path, redis_server
+):
+    """Issue 16 items 2, 3 and 8: rows are stored in TP-1 order, under one namespace for every TP
+    degree, with no option to turn on (vLLM's default direct layout, rank-major at TP=2).
+
+    A (TP=2) computes prompt P1 and stores it to disk and Redis. B (TP=1, the same disk) loads
+    P1 from the disk (TP=2 -> TP=1), computes P1 again under another cache_salt (plain vLLM at
+    TP=1: the same tokens as A's at TP=2) and computes P2. C (TP=2, an empty disk, the same
+    Redis) loads P2 from Redis (TP=1 -> TP=2) and P1 (written at TP=2). D (TP=2 with vLLM's
+    canonical_layout, an empty disk) loads P2 from Redis. A 4-KV-head model: each rank holds 2
+    heads.
+    """
+    redis = {"enabled": True, "url": redis_server.url, "prefix": f"tier-tp-{uuid.uuid4().hex[:8]}", "codec": "lz4"}
+    chunk_bytes = 2 * 2 * 256 * 4 * 32 * 4  # layers x K,V x tokens x KV heads x dim x fp32, all heads
+
+    def engine(tp: int, disk: Path, steps: str, canonical_layout: bool = False) -> dict[str, Any]:
+        # Deadlines of a minute: two TP workers' spinning threads hold both cores of the test machine,
+        # and a lookup that times out is a (correct) miss this test does not look for.
+        config = {"dram": {"capacity": "16MiB"}, "disk": {"path": str(disk)}, "redis": redis, "timeouts": {"get": 60}}
+        extra = {**tier_extra(config, 8 * chunk_bytes), **({"canonical_layout": True} if canonical_layout else {})}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}  # one worker per core
+        options = ("--tensor-parallel-size", str(tp), "--max-tokens", "8")
+        report = run_engine(vllm_python, tiny_llama_4kv, tmp_path, extra, steps, env, "tier", options=options)
+        print(f"TP={tp} {steps}: startup {report['startup_s']:.1f} s;", json.dumps(report["runs"]), report["stats"])
+        return report
+
+    a = engine(2, tmp_path / "disk", "gen,flush")
+    b = engine(1, tmp_path / "disk", "gen,salted,other,flush")
+    c = engine(2, tmp_path / "empty-disk", "other,gen")
+    (p1,) = a["runs"]
+    loaded_p1, salted_p1, p2 = b["runs"]
+    loaded_p2, again_p1 = c["runs"]
+    assert a["stats"]["rows"]["rank_slots"] == 2 and b["stats"]["rows"]["rank_slots"] == 1  # rank-major at TP=2
+    assert a["stats"]["rows"]["chunk_bytes"] == b["stats"]["rows"]["chunk_bytes"] == chunk_bytes  # all heads
+    assert p1["cached_tokens"] == 0 and a["stats"]["tier"]["stored_chunks"] == REUSABLE_CHUNKS
+    # TP=2 -> TP=1, from the disk.
+    assert loaded_p1["cached_tokens"] == REUSABLE_CHUNKS * 256 and loaded_p1["tokens"] == p1["tokens"]
+    assert salted_p1["cached_tokens"] == 0 and salted_p1["tokens"] == p1["tokens"]  # plain vLLM: TP=1 = TP=2
+    assert p2["cached_tokens"] == 0 and p2["tokens"] != p1["tokens"]
+    assert b["stats"]["tier"]["loaded_chunks"] == REUSABLE_CHUNKS and b["stats"]["tier"].get("load_failures", 0) == 0
+    assert b["stats"]["disk"]["hits"] == REUSABLE_CHUNKS and b["stats"]["redis"]["hits"] == 0
+    # TP=1 -> TP=2 (and TP=2 -> TP=2), from Redis.
+    assert loaded_p2["cached_tokens"] == REUSABLE_CHUNKS * 256 and loaded_p2["tokens"] == p2["tokens"]
+    assert again_p1["cached_tokens"] == REUSABLE_CHUNKS * 256 and again_p1["tokens"] == p1["tokens"]
+    assert (
+        c["stats"]["tier"]["loaded_chunks"] == 2 * REUSABLE_CHUNKS and c["stats"]["tier"].get("load_failures", 0) == 0
+    )
+    assert c["stats"]["redis"]["hits"] == 2 * REUSABLE_CHUNKS and c["stats"]["disk"]["hits"] == 0
+    # vLLM's canonical layout (each rank writes its heads into one TP-1 page) is the same bytes, the same keys.
+    d = engine(2, tmp_path / "another-empty-disk", "other", canonical_layout=True)
+    assert d["stats"]["rows"]["rank_slots"] == 1
+    assert d["runs"][0]["cached_tokens"] == REUSABLE_CHUNKS * 256 and d["runs"][0]["tokens"] == p2["tokens"]
+    assert d["stats"]["tier"]["loaded_chunks"] == REUSABLE_CHUNKS and d["stats"]["redis"]["hits"] == REUSABLE_CHUNKS

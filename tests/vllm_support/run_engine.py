@@ -11,7 +11,8 @@ tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other
 a different prompt, ``salted`` for the same prompt under another tenant's ``cache_salt``,
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
 process ``--freeze-pid`` (a server that stops answering). The engine runs
-in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read.
+in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read
+(with ``--tensor-parallel-size 2`` the workers run in processes of their own, the scheduler here).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         block_size=args.block_size,
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_transfer_config=transfer,
     )
 
@@ -102,6 +104,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--freeze-pid", type=int, default=0)
+    # Workers in processes of their own; on vLLM's CPU build pin them: VLLM_CPU_OMP_THREADS_BIND="0|1".
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
