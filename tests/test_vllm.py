@@ -441,8 +441,9 @@ def test_tier_chunks_written_at_one_tensor_parallel_degree_load_at_another(
     chunk_bytes = 2 * 2 * 256 * 4 * 32 * 4  # layers x K,V x tokens x KV heads x dim x fp32, all heads
 
     def engine(tp: int, disk: Path, steps: str, canonical_layout: bool = False) -> dict[str, Any]:
-        # Deadlines of a minute: two TP workers' spinning threads hold both cores of the test machine,
-        # and a lookup that times out is a (correct) miss this test does not look for.
+        # Deadlines of a minute: at TP=2 on a 2-core test machine a lookup was seen to take ~30 s (the
+        # workers, one pinned per core, leave kvstore's loop little CPU); a timeout is a correct miss,
+        # but not what this test looks for.
         config = {"dram": {"capacity": "16MiB"}, "disk": {"path": str(disk)}, "redis": redis, "timeouts": {"get": 60}}
         extra = {**tier_extra(config, 8 * chunk_bytes), **({"canonical_layout": True} if canonical_layout else {})}
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}  # one worker per core
@@ -478,3 +479,18 @@ def test_tier_chunks_written_at_one_tensor_parallel_degree_load_at_another(
     assert d["stats"]["rows"]["rank_slots"] == 1
     assert d["runs"][0]["cached_tokens"] == REUSABLE_CHUNKS * 256 and d["runs"][0]["tokens"] == p2["tokens"]
     assert d["stats"]["tier"]["loaded_chunks"] == REUSABLE_CHUNKS and d["stats"]["redis"]["hits"] == REUSABLE_CHUNKS
+
+
+def test_tier_under_pipeline_parallelism_stops_the_engine_naming_the_limit_and_the_alternative(
+    vllm_python, tiny_llama, tmp_path
+):
+    """Issue 16 item 8: what the tier cannot store (a pipeline stage holds only its own layers)
+    stops the engine at start, with the reason and what to use instead."""
+    options = ("--pipeline-parallel-size", "2")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    extra = tier_extra(tier_disk(tmp_path / "disk"))
+    failed = run_engine(
+        vllm_python, tiny_llama, tmp_path, extra, "gen", env, "tier", expect_failure=True, options=options
+    )
+    assert "KVStoreTier cannot store KV under pipeline parallelism (pipeline_parallel_size=2)" in failed["output"]
+    assert "use tensor parallelism (tensor_parallel_size) instead" in failed["output"]

@@ -57,6 +57,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         enforce_eager=True,
         seed=0,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         kv_transfer_config=transfer,
     )
 
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--freeze-pid", type=int, default=0)
     # Workers in processes of their own; on vLLM's CPU build pin them: VLLM_CPU_OMP_THREADS_BIND="0|1".
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
