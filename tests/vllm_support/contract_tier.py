@@ -24,17 +24,28 @@ CHUNK_BYTES = LAYERS * 2 * TOKENS * WIDTH * 4
 ROWS = 6
 
 
-def spec(kv_cache_layout: str = "LBHNC", model: str = "tiny") -> SimpleNamespace:
+def spec(
+    kv_cache_layout: str = "LBHNC",
+    model: str = "tiny",
+    tp: int = 1,
+    pp: int = 1,
+    canonical_layout: bool = False,
+    heads_split: bool = True,
+) -> SimpleNamespace:
+    """An OffloadingSpec as the tier reads it; ``heads_split``: each rank holds its own KV heads."""
+    parallel = SimpleNamespace(
+        rank=0, world_size=tp * pp, tp_size=tp, pp_size=pp, pcp_size=1, dcp_size=1, is_parallelism_agnostic=heads_split
+    )
     config = SimpleNamespace(
         model=SimpleNamespace(name=model, dtype="float32"),
         kv_cache_layout=kv_cache_layout,
-        canonical_layout=False,
+        canonical_layout=canonical_layout,
         groups=(SimpleNamespace(layer_names=("l0", "l1"), tokens_per_block=128, group_id=0),),
         cache=SimpleNamespace(blocks_per_chunk=2, tokens_per_hash=128),
-        worker_kv_bytes_per_block=CHUNK_BYTES // 2,
-        parallel=SimpleNamespace(world_size=1),
+        worker_kv_bytes_per_block=CHUNK_BYTES // 2 // tp,  # a worker's pages of one block: its heads only
+        parallel=parallel,
     )
-    return SimpleNamespace(config=config)
+    return SimpleNamespace(config=config, replicated_layout=False)
 
 
 @pytest.fixture
@@ -165,6 +176,60 @@ def test_weights_swapped_at_the_models_path_see_none_of_the_chunks(primary, tmp_
         assert resolve(second, key(7)) is LookupResult.MISS
     finally:
         second.shutdown()
+
+
+def test_a_row_written_at_tp2_loads_at_tp1_in_tp1_order_and_the_reverse(tmp_path):
+    """vLLM's direct layout at TP=2 is rank-major (rank 0's pages of every layer and block, then
+    rank 1's); the tier stores it in TP-1 order (each page: rank 0's heads, then rank 1's), the
+    bytes and key a TP=1 engine has, and splits it back on load."""
+    pages, ranks = LAYERS * 2, 2  # layers x blocks_per_chunk; CPU pages are head-major: [heads, tokens, K|V]
+    tp1 = np.random.default_rng(1).integers(-128, 127, CHUNK_BYTES, dtype=np.int8)
+    rank_major = tp1.reshape(pages, ranks, -1).transpose(1, 0, 2).reshape(-1)
+    assert not np.array_equal(rank_major, tp1)
+    at_tp1 = np.zeros((ROWS, CHUNK_BYTES + 4096), dtype=np.int8)
+    at_tp2 = np.zeros_like(at_tp1)
+    at_tp1[0, :CHUNK_BYTES], at_tp2[0, :CHUNK_BYTES] = tp1, rank_major
+    config = {"dram": {"capacity": "4MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+
+    def tier(tp: int) -> KVStoreTier:
+        return KVStoreTier(spec(tp=tp), memoryview(at_tp2 if tp == 2 else at_tp1), "KVStoreTier", kvstore_config=config)
+
+    writer = tier(2)
+    writer.submit_store(job(1, [key(7)], [0], promotion=False))
+    assert finish(writer)[0].success
+    writer.shutdown()
+    reader = tier(1)
+    try:
+        assert resolve(reader, key(7)) is LookupResult.HIT  # one key for both degrees
+        reader.submit_load(job(2, [key(7)], [3], promotion=True))
+        assert finish(reader)[0].success and np.array_equal(at_tp1[3, :CHUNK_BYTES], tp1)
+        reader.submit_store(job(3, [key(8)], [0], promotion=False))
+        assert finish(reader)[0].success
+    finally:
+        reader.shutdown()
+    writer = tier(2)
+    try:
+        writer.submit_load(job(4, [key(8)], [5], promotion=True))
+        assert finish(writer)[0].success and np.array_equal(at_tp2[5, :CHUNK_BYTES], rank_major)
+        assert not at_tp2[5, CHUNK_BYTES:].any()  # the row's padding is left alone
+    finally:
+        writer.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "refusal"),
+    [
+        ({"tp": 1, "pp": 2}, r"pipeline parallelism \(pipeline_parallel_size=2\).*use tensor parallelism"),
+        ({"tp": 2, "kv_cache_layout": "LBNHC"}, r"LBNHC are not head-major\); add \"canonical_layout\": true"),
+        ({"tp": 2, "heads_split": False}, r"own KV heads.*add \"canonical_layout\": true"),
+        ({"tp": 2, "heads_split": False, "canonical_layout": True}, r"not lay this model's KV out in TP-1 order"),
+    ],
+)
+def test_parallelism_whose_rows_cannot_be_stored_in_tp1_order_is_refused_with_the_alternative(
+    primary, parallelism, refusal
+):
+    with pytest.raises(ConfigError, match=refusal):
+        KVStoreTier(spec(**parallelism), memoryview(primary), "KVStoreTier", kvstore_config={})
 
 
 def test_a_closed_store_fails_jobs_and_misses_lookups_without_raising(tier):

@@ -32,23 +32,50 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 class SyncCPUOffloadingWorker(OffloadingWorker):
     """vLLM's ``CPUOffloadingWorker`` without CUDA: each job is copied before submit returns.
 
-    Layout (vLLM's direct layout): for each engine KV tensor (one per attention layer on CPU),
-    a primary row holds ``blocks_per_chunk`` consecutive engine pages of it; the tensors' parts
-    follow each other inside the row (see ``SharedOffloadRegion.create_next_worker_view``).
+    Layouts, as vLLM's worker (vllm/v1/kv_offload/cpu/gpu_worker.py) lays them out:
+
+    - direct (the default): for each engine KV tensor (one per attention layer on CPU), a
+      primary row holds ``blocks_per_chunk`` consecutive engine pages of it, in this worker's
+      own slot of the row (rank-major: every rank's slot follows the one before, see
+      ``SharedOffloadRegion.create_next_worker_view``).
+    - canonical (``canonical_layout: true``): every rank writes its bytes of one shared
+      canonical page per engine block (all KV heads, the TP-1 page), placed by the page
+      mapping vLLM derived for its layer (``CanonicalKVCacheRef.mapping``: runs of
+      fragments); ranks that hold the same bytes take turns (``is_writer``), as in
+      ``SingleDirectionOffloadingHandler._fill_canonical_ops``.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: SharedOffloadRegion) -> None:
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        region: SharedOffloadRegion,
+        canonical_layout: bool = False,
+    ) -> None:
         self._region: SharedOffloadRegion | None = region
         self._blocks_per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
+        self._canonical = canonical_layout
+        host_page_bytes = [cache.page_size_bytes for cache in kv_caches.tensors]
+        if canonical_layout:  # the largest canonical page of the layers sharing a tensor
+            host_page_bytes = [0] * len(kv_caches.tensors)
+            for ref in (ref for refs in self._refs for ref in refs):
+                assert ref.mapping is not None, "canonical_layout needs a page mapping for every layer"
+                host_page_bytes[ref.tensor_idx] = max(
+                    host_page_bytes[ref.tensor_idx], ref.mapping.canonical_page_size_bytes
+                )
+        self._host_page_bytes = host_page_bytes
         self._engine: list[torch.Tensor] = []
         self._host: list[torch.Tensor] = []
-        for cache in kv_caches.tensors:
+        for cache, page in zip(kv_caches.tensors, host_page_bytes, strict=True):
             engine = cache.tensor
             assert engine.device.type == "cpu" and engine.dtype == torch.int8 and engine.ndim == 2, engine
             assert engine.shape[1] == cache.page_size_bytes
             self._engine.append(engine)
-            self._host.append(region.create_next_worker_view(cache.page_size_bytes * blocks_per_chunk))
+            if canonical_layout:
+                self._host.append(region.create_next_canonical_view(page * blocks_per_chunk))
+            else:
+                self._host.append(region.create_next_worker_view(page * blocks_per_chunk))
         self._finished: list[TransferResult] = []
 
     def _transfer(self, engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool) -> int:
@@ -69,15 +96,25 @@ class SyncCPUOffloadingWorker(OffloadingWorker):
             slots = [(int(chunk), j) for chunk in chunks for j in range(per_chunk)][skip : skip + size]
             for ref in self._refs[group]:
                 engine, host = self._engine[ref.tensor_idx], self._host[ref.tensor_idx]
-                page, n = engine.shape[1], ref.page_size_bytes
+                page = self._host_page_bytes[ref.tensor_idx]
                 for block, (chunk, j) in zip(blocks, slots, strict=True):
-                    host_bytes = host[chunk, j * page : j * page + n]
-                    engine_bytes = engine[int(block), :n]
-                    if to_host:
-                        host_bytes.copy_(engine_bytes)
-                    else:
-                        engine_bytes.copy_(host_bytes)
-                    copied += n
+                    host_page, engine_page = host[chunk, j * page : (j + 1) * page], engine[int(block)]
+                    if not self._canonical:
+                        pieces = [(ref.page_size_bytes, 0, 0)]
+                    else:  # (size, offset in the engine page, offset in the canonical page)
+                        mapping = ref.mapping
+                        if to_host and not mapping.is_writer(chunk * per_chunk + j):
+                            continue  # another rank holding these bytes writes this page
+                        pieces = [
+                            (run.fragment_size, run.local_offset + i * run.local_stride,
+                             run.canonical_offset + i * run.canonical_stride)
+                            for run in mapping.runs
+                            for i in range(run.num_fragments)
+                        ]  # fmt: skip
+                    for n, local, canonical in pieces:
+                        host_bytes, engine_bytes = host_page[canonical : canonical + n], engine_page[local : local + n]
+                        (host_bytes if to_host else engine_bytes).copy_(engine_bytes if to_host else host_bytes)
+                        copied += n
         assert block_at == len(block_ids) and chunk_at == len(chunk_ids), (block_at, chunk_at)
         return copied
 
@@ -117,8 +154,7 @@ class CPUTestTieringOffloadingSpec(TieringOffloadingSpec):
         return self._worker
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> SyncCPUOffloadingWorker:
-        if self.config.canonical_layout:
-            raise NotImplementedError("the test worker copies vLLM's direct layout only")
+        """As ``TieringOffloadingSpec.create_worker``: this rank's view of the shared region."""
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = SharedOffloadRegion(
             engine_id=self._engine_id,
@@ -128,7 +164,9 @@ class CPUTestTieringOffloadingSpec(TieringOffloadingSpec):
             cpu_page_size=self.cpu_page_size_per_worker,
         )
         try:
-            return SyncCPUOffloadingWorker(kv_caches, self.blocks_per_chunk, region)
+            if self.config.canonical_layout:
+                self._validate_canonical_refs(kv_caches)  # vLLM's own check: fails closed
+            return SyncCPUOffloadingWorker(kv_caches, self.blocks_per_chunk, region, self.config.canonical_layout)
         except Exception:
             region.cleanup()
             raise

@@ -12,7 +12,7 @@ tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
 process ``--freeze-pid`` (a server that stops answering). The engine runs
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read.
-With ``--tp 2`` the two workers are processes of their own, pinned one per core
+With ``--tensor-parallel-size 2`` the two workers are processes of their own, pinned one per core
 (``VLLM_CPU_OMP_THREADS_BIND=0|1``, which vLLM's CPU build needs for tensor parallelism); their
 connectors are reached with ``collective_rpc``.
 """
@@ -59,7 +59,8 @@ def build_llm(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=True,
         seed=0,
-        tensor_parallel_size=args.tp,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         max_num_batched_tokens=args.max_batched_tokens,
         kv_transfer_config=transfer,
     )
@@ -128,10 +129,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens per step (prefill in steps)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--freeze-pid", type=int, default=0)
+    # Workers in processes of their own; on vLLM's CPU build pin them: VLLM_CPU_OMP_THREADS_BIND="0|1".
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -10,13 +10,15 @@ Choices forced by the vLLM CPU attention backend (CPU_ATTN):
     bfloat16 and float16; we load with dtype="float32" for bit-stable greedy
     outputs).
 
-Usage:  python tiny_llama.py /path/to/model_dir
+Usage:  python tiny_llama.py /path/to/model_dir [--kv-heads 4]
+
+``--kv-heads 4`` (8 attention heads, 4 KV heads, still head_dim 32 and hidden 128) makes a model
+that tensor parallelism of 2 can split (each rank keeps 2 KV heads); the default is 2 KV heads.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 VOCAB_SIZE = 512
 MAX_POS = 4096
@@ -64,9 +66,10 @@ def _make_tokenizer(path: str):
 def make_tiny_llama(path: str, kv_heads: int = 2) -> str:
     """Create (idempotently) a tiny Llama model dir at ``path``; return path.
 
-    ``kv_heads`` 2: 4 query heads (GQA 2:1); 4: 8 query heads, so that two tensor-parallel
-    workers hold 2 KV heads each.
+    ``kv_heads``: 2 (4 attention heads) or 4 (8 attention heads); head_dim stays 32.
     """
+    if kv_heads not in (2, 4):
+        raise ValueError(f"kv_heads must be 2 or 4, not {kv_heads}")
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -112,7 +115,10 @@ def make_tiny_llama(path: str, kv_heads: int = 2) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] != "--kv-heads"):
-        print("usage: tiny_llama.py PATH [--kv-heads N]", file=sys.stderr)
-        sys.exit(2)
-    print(make_tiny_llama(sys.argv[1], int(sys.argv[3]) if len(sys.argv) == 4 else 2))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Make a tiny Llama model directory.")
+    parser.add_argument("path")
+    parser.add_argument("--kv-heads", type=int, default=2, choices=[2, 4])
+    args = parser.parse_args()
+    print(make_tiny_llama(args.path, args.kv_heads))

@@ -10,7 +10,9 @@ cascades chunks to this tier (``submit_store``) or promotes them back (``submit_
 primary chunk (one row of vLLM's buffer: every layer's pages of ``blocks_per_chunk`` blocks,
 in the layout of vLLM's kernels) is one kvstore chunk, compressed by the tier's codec, under a
 key derived from vLLM's block hash (which carries the request's ``cache_salt``) and kvstore's
-namespace (model, block layout).
+namespace (model, block layout). With tensor parallelism the workers share the primary buffer
+(``SharedOffloadRegion``); the tier stores each row in TP-1 order (all KV heads, as one worker
+would write it), so a chunk written at TP=2 loads at TP=1 and the reverse (:class:`RowOrder`).
 
 Every method runs on vLLM's scheduler thread and returns at once: lookups answer RETRY until
 kvstore's answer is back, jobs run on kvstore's event loop and are reported by
@@ -73,15 +75,106 @@ def tier_namespace(model: str, kv_dtype: str) -> str:
     return default_namespace("vllm-tier", model, {"kv_cache_dtype": kv_dtype})
 
 
-def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
-    """A :class:`KVLayout` for one primary row's bytes (kernel layout: opaque to kvstore, but typed).
+@dataclasses.dataclass(frozen=True)
+class RowOrder:
+    """Where one chunk's bytes lie in a primary row, and how they become TP-1 order.
 
-    The row is every layer's K and V for ``tokens`` tokens in vLLM's block layout. kvstore only
-    needs its dtype (for the codecs) and its size; heads x head_dim is folded into head_dim.
+    kvstore stores every row in TP-1 order (the row a single worker would write: each layer's
+    ``blocks_per_chunk`` pages, each page with all KV heads), so that engines of every
+    tensor-parallel degree share one namespace and one set of chunks. vLLM's canonical layout,
+    its one-copy MLA layout and any row of a single worker are already in that order
+    (``rank_slots == 1``). vLLM's default direct layout under tensor parallelism is rank-major
+    (``SharedOffloadRegion.create_next_worker_view``): rank r's slot holds its ``pages`` pages
+    of ``page_bytes`` (its heads only), after rank r-1's; the tier interleaves the slots page
+    by page on store and splits them again on load.
+    """
+
+    chunk_bytes: int  # the chunk's bytes, from the row's start (the rest of the row is padding)
+    rank_slots: int  # rank-major slots to interleave; 1: the row is in TP-1 order as it lies
+    pages: int = 1  # pages per rank slot: layers x blocks_per_chunk
+    page_bytes: int = 0  # one rank's page of one layer and block
+
+    def to_tp1(self, row: torch.Tensor) -> torch.Tensor:
+        """The chunk in TP-1 order: ``row`` itself (a view) or, for rank slots, a reordered copy."""
+        if self.rank_slots == 1:
+            return row
+        tp1 = torch.empty_like(row)
+        tp1.view(self.pages, self.rank_slots, self.page_bytes).copy_(self._by_page(row))
+        return tp1
+
+    def from_tp1(self, tp1: torch.Tensor, row: torch.Tensor) -> None:
+        """Write a TP-1 chunk into ``row`` in the engine's order (no-op when ``tp1`` is ``row``)."""
+        if tp1 is not row:
+            self._by_page(row).copy_(tp1.view(self.pages, self.rank_slots, self.page_bytes))
+
+    def _by_page(self, row: torch.Tensor) -> torch.Tensor:
+        """A rank-major row seen page-major: ``[pages, rank_slots, page_bytes]`` (a strided view)."""
+        return row.view(self.rank_slots, self.pages, self.page_bytes).transpose(0, 1)
+
+
+def row_order(spec: OffloadingSpec) -> RowOrder:
+    """How this engine's primary rows map to TP-1 order; ConfigError for what cannot be stored so.
+
+    Refused, naming the alternative: pipeline and context parallelism (a worker holds only some
+    layers or tokens, so no row is a model's chunk), and vLLM's direct layout under tensor
+    parallelism where concatenating the ranks' pages does not give the TP-1 page (KV heads
+    replicated across ranks, token-major pages): vLLM's ``canonical_layout`` writes TP-1 rows
+    itself there.
+    """
+    config, parallel = spec.config, spec.config.parallel
+    per_chunk = config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk
+    if parallel.pp_size > 1:
+        raise ConfigError(
+            f"KVStoreTier cannot store KV under pipeline parallelism (pipeline_parallel_size={parallel.pp_size}): "
+            "each stage's workers hold only their own layers, so no primary row is a chunk of the whole model; "
+            "use tensor parallelism (tensor_parallel_size) instead, whose rows kvstore stores in TP-1 order"
+        )
+    if parallel.pcp_size > 1 or parallel.dcp_size > 1:
+        raise ConfigError(
+            "KVStoreTier cannot store KV under context parallelism (prefill_context_parallel_size="
+            f"{parallel.pcp_size}, decode_context_parallel_size={parallel.dcp_size}): each worker holds only "
+            "some tokens of a block; use tensor parallelism (tensor_parallel_size) instead"
+        )
+    if parallel.world_size == 1 or getattr(spec, "replicated_layout", False):
+        return RowOrder(chunk_bytes=per_chunk, rank_slots=1)  # one worker's row, or one copy (MLA)
+    if config.canonical_layout:
+        if not parallel.is_parallelism_agnostic:
+            raise ConfigError(
+                f"vLLM cannot lay this model's KV out in TP-1 order at tensor_parallel_size={parallel.tp_size} "
+                "(its canonical layout falls back to per-rank pages), so KVStoreTier cannot share its rows "
+                "across TP degrees; use a tensor_parallel_size that divides the model's KV heads"
+            )
+        return RowOrder(chunk_bytes=per_chunk * parallel.world_size, rank_slots=1)
+    layers = sum(len(group.layer_names) for group in config.groups)
+    if not parallel.is_parallelism_agnostic or config.kv_cache_layout != "LBHNC":
+        why = (
+            "the ranks do not each hold their own KV heads of one attention group"
+            if not parallel.is_parallelism_agnostic
+            else f"pages in kv_cache_layout {config.kv_cache_layout} are not head-major"
+        )
+        raise ConfigError(
+            f"KVStoreTier stores rows in TP-1 order, and vLLM's direct layout at tensor_parallel_size="
+            f'{parallel.tp_size} cannot be put in that order here ({why}); add "canonical_layout": true to '
+            "kv_connector_extra_config, so that vLLM writes TP-1 rows itself"
+        )
+    if config.worker_kv_bytes_per_block % layers:
+        raise ConfigError(f"a worker's {config.worker_kv_bytes_per_block} bytes per block are not {layers} pages")
+    return RowOrder(
+        chunk_bytes=per_chunk * parallel.world_size,
+        rank_slots=parallel.world_size,
+        pages=layers * config.cache.blocks_per_chunk,
+        page_bytes=config.worker_kv_bytes_per_block // layers,
+    )
+
+
+def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
+    """A :class:`KVLayout` for one chunk's bytes in TP-1 order (kernel layout: opaque to kvstore, but typed).
+
+    The chunk is every layer's K and V for ``tokens`` tokens in vLLM's block layout, all KV
+    heads. kvstore only needs its dtype (for the codecs) and its size; heads x head_dim is
+    folded into head_dim.
     """
     config = spec.config
-    if config.parallel.world_size != 1:
-        raise ConfigError("KVStoreTier supports one worker for now (no tensor or pipeline parallelism)")
     try:
         dtype = dtype_from_name(config.model.dtype)
     except ValueError:
@@ -95,10 +188,12 @@ def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
 
 
 def primary_format(spec: OffloadingSpec) -> str:
-    """What a primary row's bytes mean beyond their size: the platform, layout and kernels that wrote them.
+    """What a chunk's bytes mean beyond their size: the platform, page layout and kernels that wrote them.
 
     Part of the tier's namespace, so that engines sharing a bucket but not a block layout (a GPU
-    and a CPU engine, two CPU kernel sets) never read each other's rows as their own.
+    and a CPU engine, two CPU kernel sets) never read each other's rows as their own. Not the
+    tensor-parallel degree, nor vLLM's direct or canonical row layout: the tier stores every row
+    in TP-1 order (:class:`RowOrder`), the same bytes at TP=1, TP=2 or with ``canonical_layout``.
     """
     from vllm.platforms import current_platform
 
@@ -106,7 +201,7 @@ def primary_format(spec: OffloadingSpec) -> str:
     parts = [
         str(current_platform.device_type),
         str(config.kv_cache_layout),
-        "canonical" if config.canonical_layout else "direct",
+        "tp1",
     ]
     if current_platform.is_cpu():
         try:
@@ -137,14 +232,14 @@ class KVStoreTier(SecondaryTierManager):
         model = offloading_spec.config.model
         # Its own dict in secondary_tiers: vLLM takes out type, module_path, backpressure and locality.
         settings = read_options(options, lambda: tier_namespace(model.name, model.dtype), TIER_OPTIONS, ())
-        chunk_bytes = offloading_spec.config.worker_kv_bytes_per_block * offloading_spec.config.cache.blocks_per_chunk
-        self.layout = layout_for_primary(offloading_spec, chunk_bytes)
+        self.row_order = row_order(offloading_spec)
+        self.layout = layout_for_primary(offloading_spec, self.row_order.chunk_bytes)
         self.format = primary_format(offloading_spec)
         settings = dataclasses.replace(settings, namespace=f"{settings.namespace}#{self.format}")
         # Keys: vLLM's block hash (a SHA-256 chain over the prefix) under kvstore's namespace and salt.
         self._seed = namespace_seed(self.layout, settings.namespace)
         rows = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's own memory
-        self._rows = rows[:, :chunk_bytes].view(torch.uint8)
+        self._rows = rows[:, : self.row_order.chunk_bytes].view(torch.uint8)
         self.store = shared_stores.acquire(settings, self.layout)
         self._finished: collections.deque[JobResult] = collections.deque()
         self._jobs: dict[int, concurrent.futures.Future[JobResult]] = {}
@@ -158,9 +253,13 @@ class KVStoreTier(SecondaryTierManager):
     def chunk_key(self, key: OffloadKey) -> ChunkKey:
         return hashlib.sha256(self._seed + bytes(key)).hexdigest()
 
-    def _chunk(self, chunk_id: int) -> torch.Tensor:
-        """Primary row ``chunk_id`` as a chunk-shaped tensor (a view: no copy)."""
-        return self._rows[int(chunk_id)].view(self.layout.dtype).view(self.layout.chunk_shape)
+    def _row(self, chunk_id: int) -> torch.Tensor:
+        """Primary row ``chunk_id``'s chunk bytes, in the engine's order (a view of vLLM's buffer)."""
+        return self._rows[int(chunk_id)]
+
+    def _as_chunk(self, data: torch.Tensor) -> torch.Tensor:
+        """Chunk bytes in TP-1 order as a chunk-shaped tensor (a view: no copy)."""
+        return data.view(self.layout.dtype).view(self.layout.chunk_shape)
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -207,7 +306,7 @@ class KVStoreTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         pairs = [
-            (key, self._chunk(chunk_id))
+            (key, self._row(chunk_id))
             for key, chunk_id in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)
             if key not in self._present  # already in kvstore: nothing to write
         ]
@@ -216,9 +315,9 @@ class KVStoreTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
-        outs = [self._chunk(chunk_id) for chunk_id in job_metadata.chunk_ids]
+        rows = [self._row(chunk_id) for chunk_id in job_metadata.chunk_ids]
         self._job_keys[job_metadata.job_id] = (True, keys)
-        self._submit(job_metadata.job_id, self._load(job_metadata.job_id, keys, outs))
+        self._submit(job_metadata.job_id, self._load(job_metadata.job_id, keys, rows))
 
     def _submit(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
         try:
@@ -232,17 +331,29 @@ class KVStoreTier(SecondaryTierManager):
         future.add_done_callback(lambda done: self._job_done(job_id, done))
 
     async def _store(self, job_id: int, pairs: list[tuple[OffloadKey, torch.Tensor]]) -> JobResult:
-        """Copy each primary row into kvstore (its DRAM; its tiers follow in the background)."""
+        """Copy each primary row into kvstore in TP-1 order (its DRAM; its tiers follow in the background).
+
+        On kvstore's loop, not the scheduler's thread: a rank-major row is reordered here, one
+        chunk at a time (vLLM keeps a row unchanged until its cascade job is reported).
+        """
         accepted = 0
-        for key, chunk in pairs:
-            accepted += await self.store.store.put(self.chunk_key(key), chunk)
+        for key, row in pairs:
+            accepted += await self.store.store.put(self.chunk_key(key), self._as_chunk(self.row_order.to_tp1(row)))
         self.counters["stored_chunks"] += accepted
         self.counters["store_rejected"] += len(pairs) - accepted
         return JobResult(job_id, success=accepted == len(pairs), transfer_bytes=accepted * self.layout.chunk_nbytes)
 
-    async def _load(self, job_id: int, keys: list[OffloadKey], outs: list[torch.Tensor]) -> JobResult:
-        """Read each chunk straight into its primary row; a miss of any kind fails that key only."""
-        results = await self.store.store.get_many([self.chunk_key(key) for key in keys], outs)
+    async def _load(self, job_id: int, keys: list[OffloadKey], rows: list[torch.Tensor]) -> JobResult:
+        """Read each chunk into its primary row; a miss of any kind fails that key only.
+
+        A row in TP-1 order is read into in place; a rank-major one through a TP-1 buffer that
+        is then split into the ranks' slots.
+        """
+        tp1 = [row if self.row_order.rank_slots == 1 else torch.empty_like(row) for row in rows]
+        results = await self.store.store.get_many([self.chunk_key(key) for key in keys], list(map(self._as_chunk, tp1)))
+        for chunk, row, result in zip(tp1, rows, results, strict=True):
+            if result is not None:
+                self.row_order.from_tp1(chunk, row)
         loaded = [key for key, result in zip(keys, results, strict=True) if result is not None]
         self.counters["loaded_chunks"] += len(loaded)
         self.counters["load_failures"] += len(keys) - len(loaded)
@@ -302,7 +413,9 @@ class KVStoreTier(SecondaryTierManager):
         return  # kvstore's tiers keep their own recency
 
     def stats(self) -> dict[str, Any]:
-        return {"tier": dict(self.counters), **self.store.stats()}
+        """The tier's counters, how it orders rows (``rank_slots`` > 1: rank-major rows it reorders), the store's."""
+        rows = {"rank_slots": self.row_order.rank_slots, "chunk_bytes": self.row_order.chunk_bytes}
+        return {"tier": dict(self.counters), "rows": rows, **self.store.stats()}
 
     def shutdown(self) -> None:
         self.drain_jobs()
