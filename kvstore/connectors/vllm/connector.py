@@ -57,10 +57,12 @@ from kvstore.connectors.vllm.engine_config import (
     layout_for_vllm,
     request_extra,
 )
-from kvstore.connectors.vllm.tensor_parallel import LoadStatus, TensorParallelRanks
-from kvstore.connectors.vllm.whole_loads import BlockRun, WholeChunkLoads
+from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
+from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
+from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
 from kvstore.engine.store import KVStore
-from kvstore.engine.sync import SyncKVStore, SyncLayerStream
+from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
 
@@ -83,35 +85,6 @@ async def _put_all(store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]]) 
 
 
 @dataclass
-class LoadSpec:
-    """Load chunks ``keys``; each KV cache group's ``runs`` entry says which of their rows go into which blocks.
-
-    With one group, ``runs[0].first_row`` is the tokens of the first chunk vLLM already has (its
-    own prefix cache) and the blocks follow on from there.
-    """
-
-    req_id: str
-    keys: list[ChunkKey]
-    runs: list[BlockRun]
-    tokens: int  # tokens the request gets from the load
-
-
-@dataclass
-class SaveSpec:
-    """Gather each group's ``runs`` (its rows of one chunk, from ``first_row``) and put them as chunk ``key``."""
-
-    req_id: str
-    key: ChunkKey
-    runs: list[BlockRun]
-
-
-@dataclass
-class KVStoreConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-
-
-@dataclass
 class _Request:
     """Scheduler-side state of one request."""
 
@@ -125,16 +98,6 @@ class _Request:
     load: LoadSpec | None = None  # to send to the worker with the next step
     loading: tuple[int, LoadSpec] | None = None  # (first chunk, spec) of the load planned
     load_failed: bool = False  # a whole-prefix load failed: the request is recomputed, not loaded again
-
-
-@dataclass
-class _ActiveLoad:
-    spec: LoadSpec
-    stream: SyncLayerStream | None  # None: it could not start (see ``error``), or this rank does not read
-    block_ids: torch.Tensor
-    failed: bool = False
-    layers_done: int = 0
-    error: str = ""  # why the stream is gone, once it is (the reading rank only)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -179,9 +142,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.ranks.is_reader:
             self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
         self.local_heads = self.ranks.heads(self.layout.num_kv_heads)
-        # How long a layer may take to come: every tier's get, and some (not used by the other ranks).
-        tiers = len(self.store.store.tiers) if self.store is not None else 0
-        self.wait_timeout = (tiers + 2) * options.config.timeouts.get
         self.counters = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -205,13 +165,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
-        self._loads: list[_ActiveLoad] = []
         # key -> (block ids of each group, chunk)
         self._staging: dict[ChunkKey, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._spare_chunks: list[torch.Tensor] = []  # staging buffers, reused: fresh ones pay page faults
-        self._failed_blocks: set[int] = set()
-        layers = self._layers
-        self._whole_loads = WholeChunkLoads(self.layout, self.ranks, self.store, lambda: layers, self._layer_groups)
+        # How long a layer may take to come: every tier's get, and some (the reading rank's streams only).
+        tiers = len(self.store.store.tiers) if self.store is not None else 0
+        wait_timeout = (tiers + 2) * options.config.timeouts.get
+        self._layer_loads = LayerStreamLoads(
+            self.layout, self.ranks, self.store, self.chunk_tokens, self.block_size, options.prefetch_depth,
+            wait_timeout, self.counters,
+        )  # fmt: skip
+        self._whole_loads = WholeChunkLoads(
+            self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters
+        )
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -436,96 +402,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for spec in meta.loads:
             if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
                 self._whole_loads.start(spec.req_id, spec.keys, spec.runs, spec.tokens)
-                continue
-            load = _ActiveLoad(spec, None, torch.tensor(spec.runs[0].block_ids, dtype=torch.long))
-            self._loads.append(load)
-            if self.store is not None:  # the reading rank; a stream that cannot start fails at layer 0, agreed
-                self._start_stream(load, "the stream did not start")
-
-    def _start_stream(self, load: _ActiveLoad, failure: str) -> None:
-        if not load.spec.keys:
-            load.error = "the load did not match the engine's blocks"
-            return
-        try:
-            load.stream = self._held_store().prefetch(load.spec.keys, depth=self.prefetch_depth)
-        except KVStoreError as exc:  # e.g. the store closed under a shutting-down engine
-            load.stream, load.error = None, f"{failure}: {exc!r}"
+            else:  # layer by layer, as the forward pass asks for them
+                self._layer_loads.start(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
-        if index is None:
-            return
-        layer = self._layers[index]
-        for load in self._loads:
-            if load.failed or load.layers_done != index:
-                continue
-            # Every rank runs this for the same loads in the same order: the statuses are agreed.
-            kv = self._read_layer(load, index) if self.store is not None else None
-            blocks = len(load.spec.runs[0].block_ids)
-            status = self.ranks.agree(
-                LoadStatus(kv is not None, len(load.spec.keys), blocks) if self.store is not None else None
-            )
-            if status.blocks < blocks:  # the reading rank narrowed the load (reported there)
-                self._narrow(load, status.keys, status.blocks, f"layer {index}: another rank's chunk failed")
-            if not status.loaded:
-                self._fail(load, load.error or f"layer {index} failed on the reading rank")
-                continue
-            rows = len(load.block_ids) * self.block_size
-            mine = self._layer_rows(rows) if self.ranks.size > 1 else None
-            layer.scatter(load.block_ids, self.ranks.scatter_heads(kv, mine) if mine is not None else kv)
-            load.layers_done += 1
-        self._finish_loads(complete_only=True)
-
-    def _read_layer(self, load: _ActiveLoad, index: int) -> torch.Tensor | None:
-        """The reading rank: layer ``index`` of the load's blocks (all heads), or None (``load.error`` says why).
-
-        A chunk that fails narrows the load to the chunks before it and the stream starts again
-        (:meth:`_keep_sound_chunks`), so this returns the layer of fewer blocks, never wrong rows.
-        """
-        while load.stream is not None:
-            try:
-                kv = load.stream.wait_layer(index, self.wait_timeout)
-                skip = load.spec.runs[0].first_row
-                return kv[:, skip : skip + len(load.block_ids) * self.block_size]
-            except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
-                if not self._keep_sound_chunks(load, exc):
-                    load.error = f"layer {index}: {exc}"
-                    self._close_stream(load)
-                    load.stream = None
-        return None
-
-    def _keep_sound_chunks(self, load: _ActiveLoad, exc: KVStoreError) -> bool:
-        """After chunk c of ``load`` failed, go on loading its chunks before c; False if none are left.
-
-        Only chunk c's blocks and those after it are reported failed: vLLM recomputes from
-        there, not the whole prefix. The chunks before c are streamed again from a new stream
-        (their layers up to the failed one included: the old stream fails that layer as a whole).
-        Each narrowing drops at least one chunk, so a load is retried at most once per chunk.
-        """
-        bad = getattr(exc, "chunk", None)  # None: not one chunk's fault (a late layer, a closed store)
-        run = load.spec.runs[0]
-        keep = 0 if bad is None else (bad * self.chunk_tokens - run.first_row) // self.block_size
-        if bad is None or keep <= 0 or keep >= len(run.block_ids):
-            return False
-        self._close_stream(load)
-        self._narrow(load, bad, keep, f"chunk {bad} of {len(load.spec.keys)}: {exc}")
-        self._start_stream(load, f"the stream of its first {bad} chunks did not start")
-        return True
-
-    def _narrow(self, load: _ActiveLoad, keys: int, blocks: int, reason: str) -> None:
-        """Keep the first ``keys`` chunks (``blocks`` blocks) of ``load``; report the rest failed."""
-        spec, run = load.spec, load.spec.runs[0]
-        self._report_failed(spec, run.block_ids[blocks:], reason)
-        self.counters["partial_loads"] += 1
-        kept = BlockRun(run.first_row, run.block_ids[:blocks])
-        load.spec = dataclasses.replace(spec, keys=spec.keys[:keys], runs=[kept], tokens=blocks * self.block_size)
-        load.block_ids = load.block_ids[:blocks]
-
-    def _layer_rows(self, tokens: int) -> torch.Tensor:
-        """A buffer for this rank's heads of one layer of ``tokens`` tokens (tensor parallelism only)."""
-        layout = self.layout
-        heads = self.local_heads.stop - self.local_heads.start
-        return torch.empty((layout.kv_planes, tokens, heads, layout.head_dim), dtype=layout.dtype)
+        if index is not None:
+            self._layer_loads.load_layer(index, self._layers[index])
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -556,11 +439,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return torch.empty((layers, planes, tokens, heads, head_dim), dtype=self.layout.dtype)
 
     def wait_for_save(self) -> None:
-        # Loads the forward pass did not take every layer of (it cannot have used them) are failures.
-        for load in self._loads:
-            if not load.failed and load.layers_done < self.layout.num_layers:
-                self._fail(load, f"only {load.layers_done} of {self.layout.num_layers} layers were taken")
-        self._finish_loads(complete_only=False)
+        self._layer_loads.end_step()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -598,43 +477,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
-
-    def _fail(self, load: _ActiveLoad, reason: str) -> None:
-        load.failed = True
-        self._report_failed(load.spec, load.spec.runs[0].block_ids, reason)
-
-    def _report_failed(self, spec: LoadSpec, block_ids: list[int], reason: str) -> None:
-        """Blocks of ``spec`` that vLLM must recompute (counted once per failure)."""
-        self.counters["load_failures"] += 1
-        self.counters["failed_blocks"] += len(block_ids)
-        self._failed_blocks.update(block_ids)
-        log.warning(
-            "kvstore: %d of %d blocks of request %s's cached prefix failed to load (%s); vLLM recomputes them",
-            len(block_ids), len(spec.runs[0].block_ids), spec.req_id, reason,
-        )  # fmt: skip
-
-    @staticmethod
-    def _close_stream(load: _ActiveLoad) -> None:
-        try:
-            if load.stream is not None:
-                load.stream.close()
-        except Exception as exc:  # closing must not turn a finished load into an engine error
-            log.debug("kvstore: closing a layer stream failed: %r", exc)
-
-    def _finish_loads(self, complete_only: bool) -> None:
-        keep: list[_ActiveLoad] = []
-        for load in self._loads:
-            finished = load.failed or load.layers_done == self.layout.num_layers
-            if complete_only and not finished:
-                keep.append(load)
-                continue
-            if not load.failed:
-                self.counters["loaded_chunks"] += len(load.spec.keys)
-                self.counters["loaded_tokens"] += len(load.spec.runs[0].block_ids) * self.block_size
-            self._close_stream(load)
-        self._loads = keep
+        return self._layer_loads.take_failed_blocks()
 
     def _held_store(self) -> SyncKVStore:
         """The store: the scheduler holds one, and so does the reading worker (the TP group's first rank)."""
@@ -647,18 +490,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def stats(self) -> dict[str, Any]:
         """This connector's counters, and the store's (``store.stats()``)."""
         store = self.store.stats() if self.store is not None else {}  # TP ranks after the first hold none
-        whole = self._whole_loads
-        counters = dict(self.counters)
-        if self.hybrid:
-            counters["loaded_chunks"] += whole.loaded_chunks
-            counters["loaded_tokens"] += whole.loaded_tokens
-            counters["load_failures"] += whole.failures
-        return {"connector": counters, **store}
+        return {"connector": dict(self.counters), **store}
 
     def shutdown(self) -> None:
-        for load in self._loads:
-            load.failed = True
-        self._finish_loads(complete_only=False)
+        self._layer_loads.close()
         self._whole_loads.close()
         store, self.store = self.store, None
         if store is not None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.connectors.paged import PagedLayer
+from kvstore.connectors.vllm.step_metadata import BlockRun
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import KVStoreError
@@ -32,17 +33,6 @@ from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.connectors.vllm")
 PENDING, LOADED, FAILED = 0, 1, 2
-
-
-@dataclass
-class BlockRun:
-    """One KV cache group's part of a load or save: tokens from ``first_row`` on, in ``block_ids`` (in order).
-
-    ``first_row`` counts from the start of the first chunk of the load (of the chunk, for a save).
-    """
-
-    first_row: int
-    block_ids: list[int]
 
 
 @dataclass
@@ -71,13 +61,13 @@ class WholeChunkLoads:
         layout: KVLayout,
         ranks: TensorParallelRanks,
         store: SyncKVStore | None,
-        layers: Callable[[], list[PagedLayer]],
+        layers: list[PagedLayer],
         layer_groups: list[int],
+        counters: Counter[str] | dict[str, int],
     ) -> None:
-        self.layout, self.ranks, self.store = layout, ranks, store
-        self._layers, self._layer_groups = layers, layer_groups
+        self.layout, self.ranks, self.store, self.counters = layout, ranks, store, counters
+        self._layers, self._layer_groups = layers, layer_groups  # filled by the connector's register_kv_caches
         self._loads: list[_WholeLoad] = []
-        self.loaded_chunks = self.loaded_tokens = self.failures = 0
 
     def start(self, req_id: str, keys: list[ChunkKey], runs: list[BlockRun], tokens: int) -> None:
         """Begin reading ``keys`` (on the reading rank) for blocks ``runs``; reported by a later :meth:`poll`."""
@@ -109,15 +99,15 @@ class WholeChunkLoads:
             finished.add(load.req_id)
             if state == FAILED:
                 failed.add(load.req_id)
-                self.failures += 1
+                self.counters["load_failures"] += 1
                 log.warning(
                     "kvstore: request %s's cached prefix failed to load (%s); vLLM recomputes it",
                     load.req_id, load.error or "a chunk failed on the reading rank",
                 )  # fmt: skip
                 continue
             self._copy_into_blocks(load)
-            self.loaded_chunks += load.chunks
-            self.loaded_tokens += load.tokens
+            self.counters["loaded_chunks"] += load.chunks
+            self.counters["loaded_tokens"] += load.tokens
         self._loads = keep
         return finished, failed
 
@@ -142,7 +132,7 @@ class WholeChunkLoads:
 
     def _copy_into_blocks(self, load: _WholeLoad) -> None:
         """Each layer of the staged chunks into its group's blocks (every rank its heads)."""
-        layers = self._layers()
+        layers = self._layers
         tokens = load.chunks * self.layout.chunk_tokens
         for index, layer in enumerate(layers):
             group = self._layer_groups[index]

@@ -1,0 +1,53 @@
+"""What the connector's scheduler side sends its workers with each step: the loads and saves to do.
+
+vLLM pickles this metadata from the scheduler to every worker; with tensor parallelism every
+rank gets the same, which is what lets the ranks run their collectives in one order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstore.keys import ChunkKey
+
+
+@dataclass
+class BlockRun:
+    """One KV cache group's part of a load or save: tokens from ``first_row`` on, in ``block_ids`` (in order).
+
+    ``first_row`` counts from the start of the first chunk of the load (of the chunk, for a save).
+    """
+
+    first_row: int
+    block_ids: list[int]
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks ``keys``; each KV cache group's ``runs`` entry says which of their rows go into which blocks.
+
+    With one group, ``runs[0].first_row`` is the tokens of the first chunk vLLM already has (its
+    own prefix cache) and the blocks follow on from there.
+    """
+
+    req_id: str
+    keys: list[ChunkKey]
+    runs: list[BlockRun]
+    tokens: int  # tokens the request gets from the load
+
+
+@dataclass
+class SaveSpec:
+    """Gather each group's ``runs`` (its rows of one chunk, from ``first_row``) and put them as chunk ``key``."""
+
+    req_id: str
+    key: ChunkKey
+    runs: list[BlockRun]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
