@@ -288,6 +288,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if req_id in cached.resumed_req_ids:
                 state.block_ids = [list(table) for table in new_blocks] if new_blocks is not None else []
             elif new_blocks is not None:
+                if len(state.block_ids) != len(new_blocks):  # resumed without blocks before: tables start empty
+                    state.block_ids = [[] for _ in new_blocks]
                 for table, added in zip(state.block_ids, new_blocks, strict=True):
                     table.extend(added)
             computed = cached.num_computed_tokens[i]
