@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: real vLLM (the CPU build) with kvstore installed into it, for tests/test_vllm.py.
+# Create .venv-vllm: real vLLM (the CPU build) with kvstore installed into it, for the tests/test_vllm*.py engine tests.
 # vLLM pins its own torch and transformers, so it gets its own environment (sourced by test.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,6 +1,6 @@
 """KVStoreTier against the SecondaryTierManager contract, call by call (run with vLLM's environment).
 
-tests/test_vllm.py runs this file with ``.venv-vllm/bin/python -m pytest``: it needs vLLM to import
+tests/test_vllm_tier.py runs this file with ``.venv-vllm/bin/python -m pytest``: it needs vLLM to import
 the tier, so kvstore's own test run does not collect it. The primary tier's buffer is a plain
 array shaped like vLLM's (chunks x row bytes); every call is made as vLLM's scheduler makes it.
 """

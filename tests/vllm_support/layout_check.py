@@ -1,6 +1,6 @@
 """What kvstore's vLLM connector makes of a model's configuration, without starting an engine.
 
-Run under vLLM's environment by tests/test_vllm.py (``python layout_check.py MODEL_DIR``, from
+Run under vLLM's environment by tests/test_vllm_shapes.py (``python layout_check.py MODEL_DIR``, from
 the repository root so that this checkout's kvstore is imported); prints one JSON line: the
 layout (layers, planes, heads, head_dim), the paged format, vLLM's block size, and the refusals
 for pipeline parallelism and for a sparse MLA model (DeepSeek-V3.2's ``index_topk`` set).

@@ -1,6 +1,6 @@
 """An MLA model's compressed KV, computed from its checkpoint alone (no engine, no transformers).
 
-Shared by tests/test_vllm.py (kvstore's environment): the first ``kv_lora_rank`` values of a
+Shared by tests/test_vllm_shapes.py (kvstore's environment): the first ``kv_lora_rank`` values of a
 token's latent in layer 0 are ``kv_a_layernorm(kv_a_proj_with_mqa(input_layernorm(embedding)))``;
 the rest (``k_pe``) is rotated by position and is not computed here.
 """

@@ -1,7 +1,7 @@
 """Run real vLLM (CPU) with a kvstore integration and report what happened, as JSON.
 
-Run by tests/test_vllm.py under the vLLM virtual environment (.venv-vllm), one engine per
-process so that "a fresh engine" really starts with an empty kvstore DRAM tier:
+Run by the engine tests (tests/test_vllm*.py) under the vLLM virtual environment (.venv-vllm),
+one engine per process so that "a fresh engine" really starts with an empty kvstore DRAM tier:
 
     python run_engine.py --model DIR --mode connector --extra '{"kvstore_config": {...}}' \
         --steps gen,reset,gen --out result.json

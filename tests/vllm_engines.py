@@ -1,0 +1,151 @@
+"""The harness of the vLLM engine tests: the models, one engine per process, and what they share.
+
+vLLM lives in its own virtual environment (``.venv-vllm``, made by scripts/test.sh: its torch
+and transformers pins differ from ours), so each engine runs as a subprocess of that
+environment's Python (tests/vllm_support/run_engine.py) and reports output tokens, how many
+prompt tokens vLLM did not compute, and kvstore's counters. The models are made locally (random
+weights, a tokenizer trained here: no downloads): a tiny Llama (2 KV heads, or 4 for tensor
+parallelism), a DeepSeek-V2-style MLA model and a Gemma-3-style hybrid model. The fixtures are
+registered for every test module by tests/conftest.py.
+
+A prompt of 1000 tokens has 3 full chunks of 256 that may be reused (the last token is always
+computed); vLLM's block size is 128.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPPORT = Path(__file__).resolve().parent / "vllm_support"
+# Not KVSTORE_*: StoreConfig refuses unknown KVSTORE_* variables (a typo there must not pass silently).
+VLLM_PYTHON = Path(os.environ.get("TEST_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+REUSABLE_CHUNKS = 3  # (1000 - 1) // 256
+ENGINE_TIMEOUT = 600
+# vLLM's CPU build runs tensor parallelism with one worker pinned per core.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(
+            f"{VLLM_PYTHON} is missing: the vLLM tests need vLLM's own environment; run scripts/test.sh, "
+            "which creates it (or point TEST_VLLM_PYTHON at a Python with vllm and kvstore installed)",
+            pytrace=False,
+        )
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_llama.py"), str(path)], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSeek-V2-style MLA model (tests/vllm_support/tiny_mla.py): latent 512 + 64, blocks of 16."""
+    path = tmp_path_factory.mktemp("tiny-mla")
+    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_mla.py"), str(path)], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_4kv(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 4 KV heads (8 attention heads): tensor parallelism of 2 splits them 2 + 2."""
+    path = tmp_path_factory.mktemp("tiny-llama-4kv")
+    command = [str(vllm_python), str(SUPPORT / "tiny_llama.py"), str(path), "--kv-heads", "4"]
+    subprocess.run(command, check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-gemma")
+    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_gemma.py"), str(path)], check=True, capture_output=True)
+    return path
+
+
+def run_engine(
+    python: Path,
+    model: Path,
+    workdir: Path,
+    extra: dict[str, Any],
+    steps: str,
+    env: dict[str, str] | None = None,
+    mode: str = "connector",
+    freeze_pid: int = 0,
+    expect_failure: bool = False,
+    block_size: int = 128,
+    kv_cache_dtype: str = "auto",
+    options: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed.
+
+    ``options``: more of run_engine.py's arguments (``--tensor-parallel-size 2``, ``--max-tokens 8``).
+    """
+    out = workdir / f"report-{uuid.uuid4().hex[:8]}.json"
+    command = [
+        str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
+        "--extra", json.dumps(extra), "--steps", steps, "--out", str(out), "--freeze-pid", str(freeze_pid),
+        "--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype,
+        *options,
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT
+    )
+    if expect_failure:
+        assert result.returncode != 0, "the engine was expected to refuse to start"
+        return {"output": result.stdout + result.stderr}
+    if result.returncode != 0:
+        pytest.fail(f"vLLM engine failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def disk_extra(path: Path, **disk: Any) -> dict[str, Any]:
+    return {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"path": str(path), **disk}}}
+
+
+def corrupt_every_file(directory: Path) -> int:
+    """Flip one byte in the middle of every stored chunk file; returns how many."""
+    count = 0
+    for path in directory.rglob("*"):
+        if path.is_file() and path.stat().st_size > 4096:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+            count += 1
+    return count
+
+
+def tier_extra(config: dict[str, Any], cpu_bytes: int = 4 * (2 * 2 * 256 * 2 * 32 * 4)) -> dict[str, Any]:
+    """``cpu_bytes``: vLLM's primary tier; by default 4 chunks (layers x K,V x tokens x heads x dim x fp32)."""
+    tier = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm", "kvstore_config": config}
+    return {
+        "spec_name": "CPUTestTieringOffloadingSpec",
+        "spec_module_path": "cpu_offload_spec",
+        "block_size": 256,
+        "cpu_bytes_to_use": cpu_bytes,
+        "secondary_tiers": [tier],
+    }
+
+
+def tier_disk(path: Path) -> dict[str, Any]:
+    return {"dram": {"capacity": "16MiB"}, "disk": {"path": str(path)}}
+
+
+def remove_chunk_files(disk: Path, keys: list[str]) -> int:
+    """Delete the disk tier's files of these chunk keys (so that the next engine must find them elsewhere)."""
+    files = [path for key in keys for path in disk.rglob(f"{key}*")]
+    for path in files:
+        path.unlink()
+    return len(files)
