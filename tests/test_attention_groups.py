@@ -54,6 +54,8 @@ def test_a_load_refuses_a_table_it_cannot_account_for():
         loaded_blocks(SLIDING, [0, 0, 0, 0, 0, 1], 0, 768)
     with pytest.raises(ValueError, match="null block after a real one"):
         loaded_blocks(SLIDING, [0, 0, 0, 0, 2, 0], 0, 768)
+    with pytest.raises(ValueError, match="window needs"):  # more real blocks than the window reaches
+        loaded_blocks(SLIDING, [0, 0, 0, 7, 2, 1], 0, 768)
     with pytest.raises(ValueError, match="the load needs"):
         loaded_blocks(FULL, [4, 3], 0, 768)
 

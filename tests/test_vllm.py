@@ -27,9 +27,12 @@ from tests.vllm_support.prompts import prompt
 
 
 def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm_python, tiny_llama, tmp_path):
-    steps = "gen,other,reset,gen,salted"
+    """First two requests with one prompt in one batch: they save its chunks once, and the staging
+    buffers reused for the next prompt's chunks are each used for one chunk (else a chunk would be
+    stored with another's KV, and the prompt loaded again below would give other tokens)."""
+    steps = "pair,gen,other,reset,gen,salted"
     report = run_engine(vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), steps)
-    first, other, again, salted = report["runs"]
+    pair, first, other, again, salted = report["runs"]
     stats = report["stats"]
     print("startup", round(report["startup_s"], 1), "s; stats", json.dumps(stats))
     assert first["cached_tokens"] == 0
@@ -42,7 +45,9 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     assert stats["scheduler"]["hit_tokens"] == REUSABLE_CHUNKS * 256
     # Another tenant (vLLM's cache_salt) asking the same prompt gets none of these chunks.
     assert salted["cached_tokens"] == 0 and salted["tokens"] == first["tokens"]
-    assert stats["connector"]["saved_chunks"] == 3 * REUSABLE_CHUNKS  # the other prompt's, the tenant's own
+    # The pair's chunks (once), the first prompt's, the other prompt's, the tenant's own.
+    assert stats["connector"]["saved_chunks"] == 4 * REUSABLE_CHUNKS and stats["store"]["put_duplicate"] == 0
+    assert pair["batch_tokens"][0] == pair["batch_tokens"][1] != first["tokens"]
 
 
 def test_connector_with_the_worker_in_its_own_process_reuses_chunks_only_its_dram_holds(

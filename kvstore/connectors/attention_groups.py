@@ -114,6 +114,6 @@ def loaded_blocks(group: AttentionGroup, table: list[int], start: int, end: int)
     if NULL_BLOCK in blocks[real:]:
         raise ValueError(f"group {group.index}'s blocks for tokens {start}-{end} have a null block after a real one")
     needed = max(start, group.first_needed_token(end)) // group.block_size - first
-    if real > needed:  # the engine holds fewer blocks than the window needs: never load a part of it
+    if real != needed:  # fewer blocks than the window needs, or blocks whose rows may be stored as zeros
         raise ValueError(f"group {group.index} holds blocks from {first + real}, the window needs {first + needed}")
     return (first + real) * group.block_size, blocks[real:]

@@ -8,7 +8,9 @@ one engine per process so that "a fresh engine" really starts with an empty kvst
 
 Steps: ``gen`` generates greedily for the prompt (recording output tokens and how many prompt
 tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other``, ``third`` and
-``fourth`` generate for other prompts, ``salted`` for the same prompt under another tenant's ``cache_salt``,
+``fourth`` generate for other prompts, ``pair`` for the ``third`` prompt twice in one batch (two
+requests saving the same chunks in one step), ``salted`` for the same prompt under another
+tenant's ``cache_salt``,
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
 process ``--freeze-pid`` (a server that stops answering). The engine runs
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read.
@@ -159,15 +161,17 @@ def main() -> None:
             flush(llm, args.mode)
         elif step == "freeze":
             os.kill(args.freeze_pid, signal.SIGSTOP)
-        elif step in prompts:
+        elif step in prompts or step == "pair":
             begin = time.perf_counter()
-            output = llm.generate([prompts[step]], sampling, use_tqdm=False)[0]
+            batch = [prompts["third"]] * 2 if step == "pair" else [prompts[step]]  # pair: one prompt twice, one step
+            outputs = llm.generate(batch, sampling, use_tqdm=False)
             report["runs"].append(
                 {
                     "step": step,
-                    "tokens": list(output.outputs[0].token_ids),
-                    "cached_tokens": output.num_cached_tokens,
+                    "tokens": list(outputs[0].outputs[0].token_ids),
+                    "cached_tokens": outputs[0].num_cached_tokens,
                     "seconds": time.perf_counter() - begin,
+                    "batch_tokens": [list(output.outputs[0].token_ids) for output in outputs],
                 }
             )
         else:

@@ -124,15 +124,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # Raw block bytes of kernels kvstore cannot read as K and V: never mixed with canonical chunks.
             options = dataclasses.replace(options, namespace=f"{options.namespace}#paged={self.kernels}")
         self.groups = attention_groups(kv_cache_config, options.chunk_tokens)
-        self.hybrid = len(self.groups) > 1  # loads are whole-prefix and asynchronous (whole_loads.py)
-        if any(group.partial_rows(options.chunk_tokens) for group in self.groups):
-            # Such chunks hold zeros where no window reaches: kept apart from chunks with every row.
-            options = dataclasses.replace(options, namespace=f"{options.namespace}#rows=in-window")
+        # Several groups, or a sliding window: vLLM cannot take block-level failures (it stops on them
+        # with several groups; with one sliding group it would recompute from a block whose window
+        # it no longer holds), so loads are whole-prefix and asynchronous (whole_loads.py).
+        self.hybrid = len(self.groups) > 1 or any(group.sliding for group in self.groups)
+        partial = [group for group in self.groups if group.partial_rows(options.chunk_tokens)]
+        if partial:
+            # Such chunks hold zeros where no window reaches: kept apart from chunks with every row,
+            # and from chunks written for other windows (which zero other rows).
+            windows = ",".join(f"w{group.window}+{group.extra}" for group in partial)
+            options = dataclasses.replace(options, namespace=f"{options.namespace}#rows=in-window:{windows}")
         self._layer_groups = [0] * self.layout.num_layers  # chunk layer -> its group's position in self.groups
         for position, group in enumerate(self.groups):
             for layer in group.layers:
                 self._layer_groups[layer] = position
-        self.block_size = vllm_config.cache_config.block_size
+        self.block_size = self.groups[0].block_size  # the one group's, for one-group (layer-stream) loads
         self.chunk_tokens = options.chunk_tokens
         self.prefetch_depth = options.prefetch_depth
         self.namespace = options.namespace
@@ -250,8 +256,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 first, block_ids = loaded_blocks(group, list(tables[group.index]), start, end)
             except ValueError as exc:  # vLLM allocated what kvstore cannot account for: fail, never guess
                 log.warning("kvstore: request %s's load is failed: %s", request.request_id, exc)
-                first, block_ids = first_chunk * self.chunk_tokens, []
-                state.load_failed = True
+                held = tables[group.index][start // group.block_size : end // group.block_size]
+                first, block_ids = start, [block for block in held if block]
+                state.load_failed = True  # the worker fails the load (no keys), reporting these blocks
             runs.append(BlockRun(first - first_chunk * self.chunk_tokens, block_ids))
         state.load = LoadSpec(
             req_id=request.request_id,
@@ -294,11 +301,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     table.extend(added)
             computed = cached.num_computed_tokens[i]
             progress.append((req_id, computed, computed + scheduler_output.num_scheduled_tokens[req_id]))
+        emitted: set[ChunkKey] = set()  # two requests with one prompt (n > 1 sampling) save its chunks once
         for req_id, before, after in progress:
             state = self._requests[req_id]
             self._found(state)  # chunks the store already holds are not saved again
             done = min(after, state.prompt_tokens) // self.chunk_tokens
             for chunk in range(state.next_save, done):
+                if state.keys[chunk] in emitted:
+                    continue
+                emitted.add(state.keys[chunk])
                 runs = self._saved_runs(state, chunk, before)
                 if runs is None:
                     self.counters["unsaveable_chunks"] += 1
@@ -460,8 +471,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 saved = [False] * len(chunks)
             self.counters["saved_chunks"] += sum(saved)
             self.counters["save_rejected"] += len(chunks) - sum(saved)
-        # The staging buffers are free again (put copied them): keep a few for the next steps.
-        self._spare_chunks.extend(chunk for _, chunk in staged[: SPARE_CHUNKS - len(self._spare_chunks)])
+        # The staging buffers are free again (put copied them): keep a few for the next steps (each once).
+        spare = {id(chunk): chunk for _, chunk in staged}
+        self._spare_chunks.extend(list(spare.values())[: max(0, SPARE_CHUNKS - len(self._spare_chunks))])
         self._staging.clear()
 
     def _gather_chunks(self, staged: list[tuple[ChunkKey, torch.Tensor]]) -> list[tuple[ChunkKey, torch.Tensor]]:

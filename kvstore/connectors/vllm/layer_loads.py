@@ -119,33 +119,8 @@ class LayerStreamLoads:
         try:
             assert self.store is not None
             load.stream = self.store.prefetch(load.spec.keys, depth=self.prefetch_depth)
-        except KVStoreError as exc:  # e.g. the store closed under a shutting-down engine
+        except Exception as exc:  # noqa: BLE001 - a closed store, no memory: this load fails, agreed at layer 0
             load.stream, load.error = None, f"{failure}: {exc!r}"
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        index = self._layer_index.get(layer_name)
-        if index is None:
-            return
-        layer = self._layers[index]
-        for load in self._loads:
-            if load.failed or load.layers_done != index:
-                continue
-            # Every rank runs this for the same loads in the same order: the statuses are agreed.
-            kv = self._read_layer(load, index) if self.store is not None else None
-            blocks = len(load.spec.runs[0].block_ids)
-            status = self.ranks.agree(
-                LoadStatus(kv is not None, len(load.spec.keys), blocks) if self.store is not None else None
-            )
-            if status.blocks < blocks:  # the reading rank narrowed the load (reported there)
-                self._narrow(load, status.keys, status.blocks, f"layer {index}: another rank's chunk failed")
-            if not status.loaded:
-                self._fail(load, load.error or f"layer {index} failed on the reading rank")
-                continue
-            rows = len(load.block_ids) * self.block_size
-            mine = self._layer_rows(rows) if self.ranks.size > 1 else None
-            layer.scatter(load.block_ids, self.ranks.scatter_heads(kv, mine) if mine is not None else kv)
-            load.layers_done += 1
-        self._finish_loads(complete_only=True)
 
     def _read_layer(self, load: _ActiveLoad, index: int) -> torch.Tensor | None:
         """The reading rank: layer ``index`` of the load's blocks (all heads), or None (``load.error`` says why).
@@ -158,7 +133,9 @@ class LayerStreamLoads:
                 kv = load.stream.wait_layer(index, self.wait_timeout)
                 skip = load.spec.runs[0].first_row
                 return kv[:, skip : skip + len(load.block_ids) * self.block_size]
-            except KVStoreError as exc:  # PrefetchError (a layer that cannot come, or is late), a closed store
+            # PrefetchError (a layer that cannot come, or is late), a closed store, anything else: the
+            # load fails (on every rank, agreed), the engine goes on.
+            except Exception as exc:  # noqa: BLE001
                 if not self._keep_sound_chunks(load, exc):
                     load.error = f"layer {index}: {exc}"
                     self._close_stream(load)

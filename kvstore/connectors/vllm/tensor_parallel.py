@@ -73,11 +73,17 @@ class TensorParallelRanks:
         """The KV heads (of ``total``, in canonical order) this rank holds, as vLLM splits them."""
         if total >= self.size:
             if total % self.size:
-                raise ConfigError(f"{total} KV heads do not split evenly over tensor_parallel_size {self.size}")
+                raise ConfigError(
+                    f"{total} KV heads do not split evenly over tensor_parallel_size {self.size}; use a "
+                    "tensor_parallel_size that divides the model's KV heads, or one they divide"
+                )
             count = total // self.size
             return slice(self.rank * count, (self.rank + 1) * count)
         if self.size % total:
-            raise ConfigError(f"tensor_parallel_size {self.size} is not a multiple of the model's {total} KV heads")
+            raise ConfigError(
+                f"tensor_parallel_size {self.size} is not a multiple of the model's {total} KV heads; use a "
+                "tensor_parallel_size that divides the KV heads, or a multiple of them"
+            )
         start = self.rank * total // self.size
         return slice(start, start + 1)
 

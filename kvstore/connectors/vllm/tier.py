@@ -192,8 +192,11 @@ def primary_format(spec: OffloadingSpec) -> str:
 
     Part of the tier's namespace, so that engines sharing a bucket but not a block layout (a GPU
     and a CPU engine, two CPU kernel sets) never read each other's rows as their own. Not the
-    tensor-parallel degree, nor vLLM's direct or canonical row layout: the tier stores every row
-    in TP-1 order (:class:`RowOrder`), the same bytes at TP=1, TP=2 or with ``canonical_layout``.
+    tensor-parallel degree: the tier stores every row in TP-1 order (:class:`RowOrder`), the same
+    bytes at TP=1 and TP=2. Rows of vLLM's ``canonical_layout`` are the same bytes as direct TP-1
+    rows where pages are head-major (``LBHNC``, the CPU backend's) and share their tag,
+    ``direct`` (the tag TP=1 rows always had: caches written before stay readable); elsewhere
+    (token-major GPU pages) they are other bytes, tagged ``canonical``.
     """
     from vllm.platforms import current_platform
 
@@ -201,7 +204,7 @@ def primary_format(spec: OffloadingSpec) -> str:
     parts = [
         str(current_platform.device_type),
         str(config.kv_cache_layout),
-        "tp1",
+        "canonical" if config.canonical_layout and config.kv_cache_layout != "LBHNC" else "direct",
     ]
     if current_platform.is_cpu():
         try:

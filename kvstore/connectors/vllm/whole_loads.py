@@ -27,7 +27,6 @@ from kvstore.connectors.paged import PagedLayer
 from kvstore.connectors.vllm.step_metadata import BlockRun
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.engine.sync import SyncKVStore
-from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 
@@ -41,7 +40,7 @@ class _WholeLoad:
     runs: list[BlockRun]
     chunks: int
     tokens: int  # tokens the request gets from the load (what vLLM was told)
-    future: concurrent.futures.Future[list[bool]] | None = None  # the reading rank's reads
+    future: concurrent.futures.Future[list[torch.Tensor | None]] | None = None  # the reading rank's reads
     staging: torch.Tensor | None = None  # [chunks, layers, planes, tokens, heads, head_dim] (reading rank)
     error: str = ""
     block_tensors: list[torch.Tensor] = field(default_factory=list)
@@ -76,11 +75,11 @@ class WholeChunkLoads:
         self._loads.append(load)
         if self.store is None:
             return
-        with torch.inference_mode(False):  # vLLM's step runs in inference mode; kvstore's loop writes into it
-            load.staging = torch.empty((len(keys), *self.layout.chunk_shape), dtype=self.layout.dtype)
         try:
-            load.future = self.store.submit(self.store.store.get_many(keys, list(load.staging)))  # type: ignore[arg-type]
-        except KVStoreError as exc:  # a closed store: the load fails at the next poll
+            with torch.inference_mode(False):  # vLLM's step runs in inference mode; kvstore's loop writes into it
+                load.staging = torch.empty((len(keys), *self.layout.chunk_shape), dtype=self.layout.dtype)
+            load.future = self.store.submit(self.store.store.get_many(keys, list(load.staging)))
+        except Exception as exc:  # noqa: BLE001 - a closed store, no memory: the load fails at the next poll
             load.error = f"the reads did not start: {exc!r}"
 
     def poll(self) -> tuple[set[str], set[str]]:
