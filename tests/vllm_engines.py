@@ -44,35 +44,35 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
+def make_model(python: Path, factory: pytest.TempPathFactory, script: str, *args: str) -> Path:
+    """A tiny model directory, made by ``tests/vllm_support/<script>`` under vLLM's environment."""
+    path = factory.mktemp(script.removesuffix(".py"))
+    subprocess.run([str(python), str(SUPPORT / script), str(path), *args], check=True, capture_output=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_llama.py"), str(path)], check=True, capture_output=True)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_mla(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A DeepSeek-V2-style MLA model (tests/vllm_support/tiny_mla.py): latent 512 + 64, blocks of 16."""
-    path = tmp_path_factory.mktemp("tiny-mla")
-    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_mla.py"), str(path)], check=True, capture_output=True)
-    return path
+    """A Llama with 2 KV heads of 32 (4 attention heads), 2 layers."""
+    return make_model(vllm_python, tmp_path_factory, "tiny_llama.py")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_4kv(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with 4 KV heads (8 attention heads): tensor parallelism of 2 splits them 2 + 2."""
-    path = tmp_path_factory.mktemp("tiny-llama-4kv")
-    command = [str(vllm_python), str(SUPPORT / "tiny_llama.py"), str(path), "--kv-heads", "4"]
-    subprocess.run(command, check=True, capture_output=True)
-    return path
+    return make_model(vllm_python, tmp_path_factory, "tiny_llama.py", "--kv-heads", "4")
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSeek-V2-style MLA model (tests/vllm_support/tiny_mla.py): latent 512 + 64, blocks of 16."""
+    return make_model(vllm_python, tmp_path_factory, "tiny_mla.py")
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-gemma")
-    subprocess.run([str(vllm_python), str(SUPPORT / "tiny_gemma.py"), str(path)], check=True, capture_output=True)
-    return path
+    """A Gemma-3-style hybrid model (tests/vllm_support/tiny_gemma.py): sliding window 256, full attention."""
+    return make_model(vllm_python, tmp_path_factory, "tiny_gemma.py")
 
 
 def run_engine(

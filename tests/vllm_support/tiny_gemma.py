@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tiny_llama import MAX_POS, _make_tokenizer
+from tiny_llama import MAX_POS, _make_tokenizer, save_random
 
 SLIDING_WINDOW = 256
 
@@ -48,14 +48,7 @@ def make_tiny_gemma(path: str) -> str:
         dtype="float32",
     )
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(0)
-        for parameter in model.parameters():
-            scale = 0.08 if parameter.dim() >= 2 else 0.5
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-    model.to(torch.float32).save_pretrained(path)
-    return path
+    return save_random(Gemma3ForCausalLM(config), path, norm_scale=0.5)
 
 
 if __name__ == "__main__":

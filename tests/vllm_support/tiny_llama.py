@@ -19,6 +19,7 @@ that tensor parallelism of 2 can split (each rank keeps 2 KV heads); the default
 from __future__ import annotations
 
 import os
+from typing import Any
 
 VOCAB_SIZE = 512
 MAX_POS = 4096
@@ -101,16 +102,26 @@ def make_tiny_llama(path: str, kv_heads: int = 2) -> str:
         dtype="float32",
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    # Larger-than-default init so greedy outputs depend on the context
-    # (makes "identical output after KV reload" a meaningful check).
+    return save_random(LlamaForCausalLM(config), path)
+
+
+def save_random(model: Any, path: str, norm_scale: float | None = None) -> str:
+    """Give ``model`` random weights and save it at ``path`` (float32, safetensors); return ``path``.
+
+    Larger than the default init, so that greedy outputs depend on the context (an identical
+    output after a KV reload then means something). ``norm_scale``: 1-D weights (norms) random
+    too, at that scale (Gemma's norms scale by 1 + w: without it its outputs barely vary).
+    """
+    import torch
+
     with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-    model = model.to(torch.float32)
-    model.save_pretrained(path)  # safetensors by default
+        generator = torch.Generator().manual_seed(0)
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.08)
+            elif norm_scale is not None:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * norm_scale)
+    model.to(torch.float32).save_pretrained(path)
     return path
 
 

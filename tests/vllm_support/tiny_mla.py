@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tiny_llama import MAX_POS, _make_tokenizer
+from tiny_llama import MAX_POS, _make_tokenizer, save_random
 
 LAYERS = 2
 
@@ -74,16 +74,7 @@ def make_tiny_mla(path: str) -> str:
         dtype="float32",
     )
     torch.manual_seed(0)
-    model = DeepseekV2ForCausalLM(config)
-    # Larger-than-default init so greedy outputs depend on the context (an identical output
-    # after a KV reload then means something).
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-    model.to(torch.float32).save_pretrained(path)
-    return path
+    return save_random(DeepseekV2ForCausalLM(config), path)
 
 
 if __name__ == "__main__":
