@@ -309,11 +309,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             for chunk in range(state.next_save, done):
                 if state.keys[chunk] in emitted:
                     continue
-                emitted.add(state.keys[chunk])
                 runs = self._saved_runs(state, chunk, before)
                 if runs is None:
                     self.counters["unsaveable_chunks"] += 1
                     continue
+                emitted.add(state.keys[chunk])
                 meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
                 self._saved[state.keys[chunk]] = None
                 self._saved.move_to_end(state.keys[chunk])
