@@ -182,7 +182,7 @@ def test_connector_hybrid_model_a_fresh_engine_loads_every_group(vllm_python, ti
     assert [rank["loaded_chunks"] for rank in stats["ranks"]] == [reusable] * tp
     assert all(rank["load_failures"] == 0 for rank in stats["ranks"])
     assert stats["disk"]["hits"] == reusable
-    assert fresh["namespace"].endswith("#rows=in-window") == (chunk_tokens == 512)
+    assert fresh["namespace"].endswith("#rows=in-window:w256+0") == (chunk_tokens == 512)  # window 256, extra 0
     if chunk_tokens == 256:  # a corrupt chunk fails the whole prefix (per request): recomputed, same tokens
         assert corrupt_every_file(tmp_path / "disk") == reusable + (1000 - 1) // chunk_tokens
         broken = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen")
