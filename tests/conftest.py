@@ -11,7 +11,14 @@ import torch
 pytest.register_assert_rewrite("kvstore.testing.conformance")
 
 from support import TEST_BUCKET, raw_s3_client, start_server  # noqa: E402
-from vllm_engines import tiny_gemma, tiny_llama, tiny_llama_4kv, tiny_mla, vllm_python  # noqa: E402, F401 (fixtures)
+from vllm_engines import (  # noqa: E402, F401 (fixtures)
+    tiny_gemma,
+    tiny_gemma_sliding,
+    tiny_llama,
+    tiny_llama_4kv,
+    tiny_mla,
+    vllm_python,
+)
 
 from kvstore.devtools.servers import (  # noqa: E402 (after the rewrite hook)
     DevServer,

@@ -190,3 +190,22 @@ def test_connector_hybrid_model_a_fresh_engine_loads_every_group(vllm_python, ti
         assert broken["runs"][0]["tokens"] == first["runs"][0]["tokens"]
         assert stats["connector"]["load_failures"] == 1 and stats["connector"]["loaded_chunks"] == 0
         assert stats["disk"]["corrupt"] >= 1
+
+
+def test_connector_sliding_window_only_model_loads_whole_prefixes(vllm_python, tiny_gemma_sliding, tmp_path):
+    """Every layer on a window of 256 (Mistral-7B-v0.1 style): one KV cache group, of sliding layers.
+    Its loads are whole prefixes too (a block-level failure would make vLLM recompute from a block
+    whose window it no longer holds): a fresh engine loads 3 chunks, the same tokens; with every
+    chunk corrupt, the request is recomputed whole, the same tokens."""
+    extra = disk_extra(tmp_path / "disk")
+    first = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen,flush")
+    fresh = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen")
+    assert fresh["kv_cache_groups"] == [{"layers": [0, 1, 2, 3], "window": 256}]
+    assert fresh["runs"][0]["tokens"] == first["runs"][0]["tokens"]
+    assert fresh["runs"][0]["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert fresh["stats"]["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
+    assert fresh["stats"]["connector"]["load_failures"] == 0
+    assert corrupt_every_file(tmp_path / "disk") == REUSABLE_CHUNKS
+    broken = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen")
+    assert broken["runs"][0]["tokens"] == first["runs"][0]["tokens"]
+    assert broken["stats"]["connector"]["load_failures"] == 1 and broken["stats"]["connector"]["failed_blocks"] == 0

@@ -75,6 +75,12 @@ def tiny_gemma(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return make_model(vllm_python, tmp_path_factory, "tiny_gemma.py")
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma_sliding(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma with every layer on the sliding window: one KV cache group, sliding."""
+    return make_model(vllm_python, tmp_path_factory, "tiny_gemma.py", "--all-sliding")
+
+
 def run_engine(
     python: Path,
     model: Path,

@@ -6,7 +6,7 @@ vLLM's hybrid KV cache manager: 4 layers (sliding, full, sliding, full), a windo
 embeddings, and a tied random Gemma repeats one token whatever its context; untied weights and
 random norm weights (Gemma's norms scale by 1 + w) give greedy outputs that depend on the prompt.
 
-Usage:  python tiny_gemma.py PATH
+Usage:  python tiny_gemma.py PATH [--all-sliding]
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ from tiny_llama import MAX_POS, _make_tokenizer, save_random
 SLIDING_WINDOW = 256
 
 
-def make_tiny_gemma(path: str) -> str:
-    """Create (idempotently) the model directory at ``path``; return it."""
+def make_tiny_gemma(path: str, all_sliding: bool = False) -> str:
+    """Create (idempotently) the model directory at ``path``; return it.
+
+    ``all_sliding``: every layer attends to the sliding window (Mistral-7B-v0.1 style): one KV
+    cache group, of sliding-window layers.
+    """
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -39,7 +43,7 @@ def make_tiny_gemma(path: str) -> str:
         head_dim=32,
         max_position_embeddings=MAX_POS,
         sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+        layer_types=["sliding_attention"] * 4 if all_sliding else ["sliding_attention", "full_attention"] * 2,
         query_pre_attn_scalar=32,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -52,7 +56,7 @@ def make_tiny_gemma(path: str) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: tiny_gemma.py PATH", file=sys.stderr)
+    if len(sys.argv) not in (2, 3) or sys.argv[2:] not in ([], ["--all-sliding"]):
+        print("usage: tiny_gemma.py PATH [--all-sliding]", file=sys.stderr)
         sys.exit(2)
-    print(make_tiny_gemma(sys.argv[1]))
+    print(make_tiny_gemma(sys.argv[1], all_sliding=len(sys.argv) == 3))
