@@ -140,14 +140,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._layer_groups[layer] = position
         self.block_size = self.groups[0].block_size  # the one group's, for one-group (layer-stream) loads
         self.chunk_tokens = options.chunk_tokens
-        self.prefetch_depth = options.prefetch_depth
         self.namespace = options.namespace
         # Workers: the TP group's first rank holds the store for the group (see tensor_parallel.py).
         self.ranks = TensorParallelRanks.of_vllm_worker() if role == KVConnectorRole.WORKER else TensorParallelRanks()
         self.store: SyncKVStore | None = None
         if self.ranks.is_reader:
             self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
-        self.local_heads = self.ranks.heads(self.layout.num_kv_heads)
         self.counters = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -398,7 +396,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if kv.dtype != layout.dtype:
                 raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
             layer = PagedLayer(kv, fmt, layout.head_dim)
-            heads = self.local_heads.stop - self.local_heads.start  # this rank's share of the model's heads
+            heads = self.ranks.head_count(layout.num_kv_heads)  # this rank's share of the model's heads
             block_size = self.groups[self._layer_groups[index]].block_size
             if layer.heads != heads or layer.block_size != block_size:
                 raise ConfigError(
@@ -414,7 +412,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVStoreConnectorMetadata)
         for spec in meta.loads:
             if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
-                self._whole_loads.start(spec.req_id, spec.keys, spec.runs, spec.tokens)
+                self._whole_loads.start(spec)
             else:  # layer by layer, as the forward pass asks for them
                 self._layer_loads.start(spec)
 
@@ -447,9 +445,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _new_chunk(self) -> torch.Tensor:
         """A staging buffer for this rank's heads of one chunk (all heads without tensor parallelism)."""
         layers, planes, tokens, heads, head_dim = self.layout.chunk_shape
-        if self.ranks.size > 1:
-            heads = self.local_heads.stop - self.local_heads.start
-        return torch.empty((layers, planes, tokens, heads, head_dim), dtype=self.layout.dtype)
+        shape = (layers, planes, tokens, self.ranks.head_count(heads), head_dim)
+        return torch.empty(shape, dtype=self.layout.dtype)
 
     def wait_for_save(self) -> None:
         self._layer_loads.end_step()

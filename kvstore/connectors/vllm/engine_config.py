@@ -121,13 +121,12 @@ def attention_groups(kv_cache_config: KVCacheConfig, chunk_tokens: int) -> list[
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    groups = [group for group in kv_cache_config.kv_cache_groups if getattr(group, "enable_kv_transfer", True)]
-    names = sorted((name for group in groups for name in group.layer_names), key=extract_layer_index)
+    # (vLLM's group id, group) of the groups whose KV is transferable (not rebuilt replicas)
+    groups = [(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "enable_kv_transfer", True)]
+    names = sorted((name for _, group in groups for name in group.layer_names), key=extract_layer_index)
     position = {name: index for index, name in enumerate(names)}
     result: list[AttentionGroup] = []
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
-        if group not in groups:
-            continue
+    for index, group in groups:
         spec, kind = group.kv_cache_spec, type(group.kv_cache_spec)
         window: int | None = None
         if kind is SlidingWindowSpec:

@@ -63,7 +63,6 @@ class LayerStreamLoads:
         self.layout, self.ranks, self.store = layout, ranks, store
         self.chunk_tokens, self.block_size = chunk_tokens, block_size
         self.prefetch_depth, self.wait_timeout, self.counters = prefetch_depth, wait_timeout, counters
-        self.local_heads = ranks.heads(layout.num_kv_heads)
         self._loads: list[_ActiveLoad] = []
         self._failed_blocks: set[int] = set()
 
@@ -90,8 +89,7 @@ class LayerStreamLoads:
                 self._fail(load, load.error or f"layer {index} failed on the reading rank")
                 continue
             rows = len(load.block_ids) * self.block_size
-            mine = self._layer_rows(rows) if self.ranks.size > 1 else None
-            layer.scatter(load.block_ids, self.ranks.scatter_heads(kv, mine) if mine is not None else kv)
+            layer.scatter(load.block_ids, self.ranks.scatter_heads(kv, self.layout, rows))
             load.layers_done += 1
         self._finish_loads(complete_only=True)
 
@@ -168,12 +166,6 @@ class LayerStreamLoads:
         kept = BlockRun(run.first_row, run.block_ids[:blocks])
         load.spec = dataclasses.replace(spec, keys=spec.keys[:keys], runs=[kept], tokens=blocks * self.block_size)
         load.block_ids = load.block_ids[:blocks]
-
-    def _layer_rows(self, tokens: int) -> torch.Tensor:
-        """A buffer for this rank's heads of one layer of ``tokens`` tokens (tensor parallelism only)."""
-        layout = self.layout
-        heads = self.local_heads.stop - self.local_heads.start
-        return torch.empty((layout.kv_planes, tokens, heads, layout.head_dim), dtype=layout.dtype)
 
     def _fail(self, load: _ActiveLoad, reason: str) -> None:
         load.failed = True

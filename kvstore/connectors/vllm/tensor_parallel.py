@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -87,16 +88,15 @@ class TensorParallelRanks:
         start = self.rank * total // self.size
         return slice(start, start + 1)
 
+    def head_count(self, total: int) -> int:
+        """How many of ``total`` KV heads this rank holds."""
+        heads = self.heads(total)
+        return heads.stop - heads.start
+
     def agree(self, status: LoadStatus | None) -> LoadStatus:
         """Rank 0's ``status`` on every rank (other ranks pass None)."""
-        if self.size == 1:
-            assert status is not None
-            return status
-        message = torch.zeros(3, dtype=torch.int64)
-        if status is not None:
-            message[:] = torch.tensor([int(status.loaded), status.keys, status.blocks])
-        torch.distributed.broadcast(message, src=self._src, group=self.group)
-        loaded, keys, blocks = (int(value) for value in message)
+        sent = None if status is None else [int(status.loaded), status.keys, status.blocks]
+        loaded, keys, blocks = self.agree_states(sent, 3)
         return LoadStatus(bool(loaded), keys, blocks)
 
     def agree_states(self, states: list[int] | None, count: int) -> list[int]:
@@ -108,14 +108,18 @@ class TensorParallelRanks:
         torch.distributed.broadcast(message, src=self._src, group=self.group)
         return [int(value) for value in message]
 
-    def scatter_heads(self, layer: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """Each rank's heads of rank 0's ``layer`` (``[planes, tokens, heads, head_dim]``) into ``out``.
+    def scatter_heads(self, layer: torch.Tensor | None, layout: KVLayout, tokens: int) -> torch.Tensor:
+        """This rank's heads of rank 0's ``layer`` (``[planes, tokens, heads, head_dim]`` of ``layout``).
 
-        ``out`` is ``[planes, tokens, heads of this rank, head_dim]``; other ranks pass ``layer=None``.
+        Other ranks pass ``layer=None``; each gets a new ``[planes, tokens, its heads, head_dim]``
+        tensor. With one rank, ``layer`` itself (no copy).
         """
         if self.size == 1:
             assert layer is not None
-            return layer[:, :, self.heads(layer.shape[2])]
+            return layer
+        out = torch.empty(
+            (layout.kv_planes, tokens, self.head_count(layout.num_kv_heads), layout.head_dim), dtype=layout.dtype
+        )
         parts = None
         if layer is not None:
             slices = [TensorParallelRanks(r, self.size).heads(layer.shape[2]) for r in range(self.size)]

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.connectors.paged import PagedLayer
-from kvstore.connectors.vllm.step_metadata import BlockRun
+from kvstore.connectors.vllm.step_metadata import BlockRun, LoadSpec
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.engine.sync import SyncKVStore
-from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.connectors.vllm")
@@ -68,9 +67,10 @@ class WholeChunkLoads:
         self._layers, self._layer_groups = layers, layer_groups  # filled by the connector's register_kv_caches
         self._loads: list[_WholeLoad] = []
 
-    def start(self, req_id: str, keys: list[ChunkKey], runs: list[BlockRun], tokens: int) -> None:
-        """Begin reading ``keys`` (on the reading rank) for blocks ``runs``; reported by a later :meth:`poll`."""
-        load = _WholeLoad(req_id, runs, len(keys), tokens)
+    def start(self, spec: LoadSpec) -> None:
+        """Begin reading the chunks of ``spec`` (on the reading rank); reported by a later :meth:`poll`."""
+        keys, runs = spec.keys, spec.runs
+        load = _WholeLoad(spec.req_id, runs, len(keys), spec.tokens)
         load.block_tensors = [torch.tensor(run.block_ids, dtype=torch.long) for run in runs]
         self._loads.append(load)
         if self.store is None:
@@ -131,27 +131,22 @@ class WholeChunkLoads:
 
     def _copy_into_blocks(self, load: _WholeLoad) -> None:
         """Each layer of the staged chunks into its group's blocks (every rank its heads)."""
-        layers = self._layers
-        tokens = load.chunks * self.layout.chunk_tokens
-        for index, layer in enumerate(layers):
+        chunk = self.layout.chunk_tokens
+        for index, layer in enumerate(self._layers):
             group = self._layer_groups[index]
             run, blocks = load.runs[group], load.block_tensors[group]
             if not run.block_ids:
                 continue
-            rows = slice(run.first_row, run.first_row + len(run.block_ids) * layer.block_size)
-            whole = None
-            if load.staging is not None:  # [chunks, layers, planes, C, heads, dim] -> [planes, tokens, heads, dim]
-                planes, dim = self.layout.kv_planes, self.layout.head_dim
-                whole = load.staging[:, index].transpose(0, 1).reshape(planes, tokens, -1, dim)[:, rows]
-            if self.ranks.size > 1:
-                heads = self.ranks.heads(self.layout.num_kv_heads)
-                out = torch.empty(
-                    (self.layout.kv_planes, rows.stop - rows.start, heads.stop - heads.start, self.layout.head_dim),
-                    dtype=self.layout.dtype,
-                )
-                whole = self.ranks.scatter_heads(whole.contiguous() if whole is not None else None, out)
-            assert whole is not None
-            layer.scatter(blocks, whole)
+            tokens = len(run.block_ids) * layer.block_size
+            rows = None
+            if load.staging is not None:
+                # Only the chunks holding the group's rows (a sliding window's are the last few):
+                # [chunks, planes, C, heads, dim] -> [planes, their tokens, heads, dim].
+                first, last = run.first_row // chunk, -(-(run.first_row + tokens) // chunk)
+                held = load.staging[first:last, index].transpose(0, 1).flatten(1, 2)
+                start = run.first_row - first * chunk
+                rows = held[:, start : start + tokens]
+            layer.scatter(blocks, self.ranks.scatter_heads(rows, self.layout, tokens))
 
     def close(self) -> None:
         """Forget every load (the engine is shutting down); reads in flight finish on kvstore's loop."""
