@@ -299,19 +299,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     table.extend(added)
             computed = cached.num_computed_tokens[i]
             progress.append((req_id, computed, computed + scheduler_output.num_scheduled_tokens[req_id]))
-        emitted: set[ChunkKey] = set()  # two requests with one prompt (n > 1 sampling) save its chunks once
+        # A chunk already sent for saving (by this step's or an earlier step's request with the same
+        # prefix, e.g. n > 1 sampling, or a twin request whose lookup answered a step later) is not
+        # saved again: ``_saved`` holds every key emitted until a failed load takes it out.
         for req_id, before, after in progress:
             state = self._requests[req_id]
             self._found(state)  # chunks the store already holds are not saved again
             done = min(after, state.prompt_tokens) // self.chunk_tokens
             for chunk in range(state.next_save, done):
-                if state.keys[chunk] in emitted:
+                if state.keys[chunk] in self._saved:
                     continue
                 runs = self._saved_runs(state, chunk, before)
                 if runs is None:
                     self.counters["unsaveable_chunks"] += 1
                     continue
-                emitted.add(state.keys[chunk])
                 meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
                 self._saved[state.keys[chunk]] = None
                 self._saved.move_to_end(state.keys[chunk])
