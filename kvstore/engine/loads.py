@@ -12,6 +12,14 @@ ends, even past a timeout, see :mod:`kvstore.engine.operations`). A call does no
 per chunk: it stages through the slots it can reserve, hands each chunk found to its caller
 (who copies it out), and goes again with the rest, while its deadline lasts. A pool of 4 slots
 loads a 6-chunk prefix in two rounds.
+
+A caller that brings its own buffers (``get_many(keys, outs)``) has a local tier (disk) read
+straight into them: no slot, no second copy, and no limit from the slots free. Each write into
+a caller's buffer is fenced (:class:`~kvstore.util.threads.WriteFence`): at the deadline the
+buffers are closed to the reading threads, so no write lands in them after the call returns.
+The chunks found are then admitted to DRAM (and queued for the faster tiers) off the caller's
+path: a background read of the same file, now in the page cache, into a fresh slot. Copying
+from the caller's buffers instead would trust memory the caller may already be changing.
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ from kvstore.engine.operations import TierOperations
 from kvstore.errors import TierTimeout
 from kvstore.keys import ChunkKey
 from kvstore.storage.tier import ChunkTier
+from kvstore.util.threads import WriteFence
 
 log = logging.getLogger("kvstore")
-Deliver = Callable[[int, int], None]  # (index of the key in the call, its slot: valid during the call only)
+# (index of the key in the call, its slot: valid during the call only; None: read into the caller's buffer)
+Deliver = Callable[[int, int | None], None]
 Enqueue = Callable[[Sequence[ChunkTier], ChunkKey, int], None]
 
 
@@ -80,6 +90,9 @@ class TierLoader:
     ) -> None:
         self.pool, self.tiers, self._operations, self._enqueue = pool, tiers, operations, enqueue
         self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
+        self._admissions: set[asyncio.Task[None]] = set()  # background reads into DRAM after direct loads
+        self.admitted = 0  # chunks read into callers' buffers, then admitted to DRAM
+        self.admissions_dropped = 0  # ... not admitted: no slot free, or the admission read failed
 
     async def held_prefix(self, keys: Sequence[ChunkKey], in_dram: Sequence[bool], deadline: Deadline) -> int:
         """How many leading ``keys`` are in DRAM or in some tier.
@@ -103,12 +116,22 @@ class TierLoader:
                 continue
         return gaps[found] if found < len(gaps) else len(keys)
 
-    async def load(self, keys: Sequence[ChunkKey], deliver: Deliver, deadline: Deadline) -> None:
+    async def load(
+        self, keys: Sequence[ChunkKey], deliver: Deliver, deadline: Deadline, outs: Sequence[memoryview] | None = None
+    ) -> None:
         """``deliver(i, slot)`` for each of ``keys`` some tier has, read within ``deadline``; the rest are misses.
 
         A key another call is already loading is waited for (within the deadline), not read twice.
         ``deliver`` runs while the slot is referenced; the slot is released after it returns.
+        With ``outs`` (the caller's buffers, one per key), local tiers read straight into
+        ``outs[i]`` and ``deliver(i, None)`` says so; the chunk is admitted to DRAM afterwards, off
+        this call (see the module docstring). A miss may leave ``outs[i]`` partly written; nothing
+        writes into ``outs`` once this returns.
         """
+        if outs is not None and any(tier.is_local for tier in self.tiers):
+            # Not deduplicated against other calls: each has its own buffers to fill.
+            await self._load_own(list(keys), deliver, deadline, outs)
+            return
         waiting: dict[int, asyncio.Future[None]] = {}
         own: list[int] = []
         for i, key in enumerate(keys):
@@ -128,8 +151,13 @@ class TierLoader:
             if loading.done():
                 self._deliver_cached(i, keys[i], deliver)
 
-    async def _load_own(self, keys: list[ChunkKey], deliver: Deliver, deadline: Deadline) -> None:
-        """Rounds of the cascade (each tier reads, as one batch, what no faster tier had) over the free slots."""
+    async def _load_own(
+        self, keys: list[ChunkKey], deliver: Deliver, deadline: Deadline, outs: Sequence[memoryview] | None = None
+    ) -> None:
+        """Rounds of the cascade (each tier reads, as one batch, what no faster tier had) over the free slots.
+
+        With ``outs``, a local tier reads its whole group straight into them (no slot needed).
+        """
         next_tier = dict.fromkeys(range(len(keys)), 0)  # per key still sought: the tier to ask next
         while next_tier:
             progressed = False
@@ -138,6 +166,19 @@ class TierLoader:
                 allowance = deadline.allowance(last=position + 1 == len(self.tiers))
                 if allowance <= 0:
                     return  # what is left is a miss: the call's time is up
+                if outs is not None and tier.is_local and group:
+                    progressed = True
+                    found = await self._read_direct(tier, keys, group, outs, allowance, deadline.fair(allowance))
+                    for i, ok in zip(group, found, strict=True):
+                        if ok:
+                            del next_tier[i]
+                            deliver(i, None)
+                            self._admit(position, keys[i], deadline.seconds)
+                        elif position + 1 < len(self.tiers):
+                            next_tier[i] = position + 1
+                        else:
+                            del next_tier[i]  # in no tier
+                    continue
                 reserved = self._reserve(group)
                 if not reserved:
                     continue  # no slot now; a later round may find one freed
@@ -162,6 +203,81 @@ class TierLoader:
             if not progressed:
                 log.debug("%d chunks not loaded: every DRAM slot is in use", len(next_tier))
                 return
+
+    async def _read_direct(
+        self,
+        tier: ChunkTier,
+        keys: list[ChunkKey],
+        group: list[int],
+        outs: Sequence[memoryview],
+        timeout: float,
+        blame: bool,
+    ) -> list[bool]:
+        """One batch read of local ``tier`` straight into the caller's ``outs``; per key of ``group``, whether read.
+
+        Whatever happens (a timeout, a cancellation), the buffers are closed to the reading
+        threads before this returns: a thread still reading after the deadline writes no more.
+        """
+        fences = [WriteFence() for _ in group]
+        try:
+            read = tier.read_many_into([keys[i] for i in group], [outs[i] for i in group], fences)
+            return await self._operations.bounded(read, timeout, tier, tier.latency.read, blame=blame)
+        except TierTimeout:
+            return [False] * len(group)
+        finally:
+            for fence in fences:  # uncontended once the read has ended: no wait
+                await fence.close()
+
+    def _admit(self, position: int, key: ChunkKey, timeout: float) -> None:
+        """Admit a chunk just read into a caller's buffer to DRAM, in the background (see the module docstring).
+
+        At most as many admissions wait as the pool has slots; beyond that one is dropped
+        (counted). Each takes its slot when it starts: none is held when the caller resumes. Non-blocking.
+        """
+        if len(self._admissions) >= self.pool.max_slots:
+            self.admissions_dropped += 1
+            return
+        task = asyncio.create_task(self._admission(position, key, timeout))
+        self._admissions.add(task)
+        task.add_done_callback(self._admissions.discard)
+
+    async def _admission(self, position: int, key: ChunkKey, timeout: float) -> None:
+        """Read ``key`` from tier ``position`` into a fresh slot, then publish it and queue it for the faster tiers."""
+        if self.pool.contains(key):
+            return  # a put, or another call, brought it meanwhile
+        slot = self.pool.reserve()
+        if slot is None:
+            self.admissions_dropped += 1
+            return
+        self.pool.retain(slot)  # the read's own reference: released only when the read ends
+        try:
+            outcomes = await self._read(self.tiers[position], [key], {0: slot}, timeout, blame=True)
+        except BaseException:  # (_read released the slot)
+            self.admissions_dropped += 1
+            raise
+        if not outcomes[0][1]:
+            self.admissions_dropped += 1
+            self.pool.release(slot)
+            return
+        try:
+            if self.pool.publish(slot, key):
+                self.admitted += 1
+                self._enqueue(self.tiers[:position], key, slot)
+        finally:
+            self.pool.release(slot)
+
+    async def settle(self) -> None:
+        """Wait for the DRAM admissions under way (each bounded by its read's timeout)."""
+        while self._admissions:
+            await asyncio.gather(*list(self._admissions), return_exceptions=True)
+
+    def cancel_admissions(self) -> None:
+        """Stop the admissions under way (the store is closing); their slots are released as they end.
+
+        One not started yet never takes a slot.
+        """
+        for task in list(self._admissions):
+            task.cancel()
 
     def _reserve(self, group: list[int]) -> dict[int, int]:
         """A slot for as many of ``group`` as can have one, each with a second reference for the read itself."""

@@ -46,6 +46,7 @@ from kvstore.sizing.mrc import ReuseProfile
 from kvstore.storage.breaker import CircuitBreaker
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.tier import ChunkTier
+from kvstore.util.buffers import tensor_bytes
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
@@ -183,6 +184,7 @@ class KVStore:
                 tier.stats.drops += 1
                 self.pool.release(slot)
         self._operations.cancel_all()  # slots are released by their own callbacks when threads end
+        self._loader.cancel_admissions()
         await asyncio.gather(*(self._close_tier(tier) for tier in self.tiers))  # at once: one timeouts.close in all
         if self._tracker is not None:
             try:
@@ -316,7 +318,9 @@ class KVStore:
         """Several chunks (typically the prefix ``lookup`` found) in one call.
 
         DRAM hits are copied at once; the misses are read from each lower tier as one batch and
-        promoted into DRAM. Each result is ``outs[i]`` (or a new tensor), or None on a miss.
+        promoted into DRAM. Each result is ``outs[i]`` (or a new tensor), or None on a miss (whose
+        ``outs[i]`` may then hold anything). With ``outs`` in CPU memory the disk tier reads straight
+        into them, and the chunks are admitted to DRAM after the call, in the background (engine/loads.py).
         The reads wait at most ``timeouts.get`` in all (one deadline for the call, whatever the
         number of chunks or tiers) and stage through the DRAM slots free, in rounds: a pool with
         fewer free slots than ``keys`` still loads every chunk the tiers hold, with or without ``outs``.
@@ -333,7 +337,11 @@ class KVStore:
         self._counters["gets"] += len(keys)
         results: list[torch.Tensor | None] = [None] * len(keys)
 
-        def deliver(i: int, slot: int) -> None:  # the slot is referenced during the call
+        def deliver(i: int, slot: int | None) -> None:  # the slot is referenced during the call
+            if slot is None:  # read straight into outs[i]
+                assert outs is not None
+                results[i] = outs[i]
+                return
             source = self.pool.tensor(slot)
             with torch.no_grad():
                 results[i] = outs[i].copy_(source) if outs is not None else source.clone()
@@ -351,7 +359,12 @@ class KVStore:
         missing = [i for i, slot in enumerate(slots) if slot is None]
         if missing and self.tiers:
             deadline = Deadline(self.config.timeouts.get)  # one for the whole call, every tier and round
-            await self._loader.load([keys[i] for i in missing], lambda j, slot: deliver(missing[j], slot), deadline)
+            direct = None  # the caller's buffers, for tiers that can read into them
+            if outs is not None and all(out.device.type == "cpu" and out.is_contiguous() for out in outs):
+                direct = [tensor_bytes(outs[i]) for i in missing]
+            await self._loader.load(
+                [keys[i] for i in missing], lambda j, slot: deliver(missing[j], slot), deadline, direct
+            )
         hits = sum(result is not None for result in results)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
@@ -424,7 +437,11 @@ class KVStore:
         return stream
 
     async def flush(self) -> None:
-        """Wait until every queued write has reached its tier (or failed, or timed out)."""
+        """Wait until every queued write has reached its tier (or failed, or timed out).
+
+        Chunks ``get_many`` read into the caller's buffers are admitted to DRAM first (they may queue writes).
+        """
+        await self._loader.settle()
         await asyncio.gather(*(queue.join() for queue in self._queues))
 
     # -- introspection ---------------------------------------------------------------------------
@@ -434,10 +451,12 @@ class KVStore:
             tier.name: {**tier.stats_dict(), "queued": queue.qsize()}
             for tier, queue in zip(self.tiers, self._queues, strict=False)
         }
+        loader = self._loader
+        store = {**self._counters, "admitted": loader.admitted, "admissions_dropped": loader.admissions_dropped}
         adaptive: dict[str, Any] = {"policy": self.policy, **self.adaptive.as_dict()}
         if self._tracker is not None:  # counts only: stats() may run on a scrape thread, the tracker is the loop's
             adaptive |= {"lookups_tracked": self._tracker.references, "sample_rate": self._tracker.sampler.rate}
-        return {"store": dict(self._counters), "dram": self.pool.stats(), "adaptive": adaptive, **tiers}
+        return {"store": store, "dram": self.pool.stats(), "adaptive": adaptive, **tiers}
 
     def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.device.type == "meta":  # shapes only, no memory: nothing could be copied in or out

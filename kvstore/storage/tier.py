@@ -15,6 +15,7 @@ thread call), and async work through the backend's requests (a network backend, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -40,7 +41,7 @@ from kvstore.storage.container import (
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.storage.stats import TierLatency, TierStats
-from kvstore.util.threads import in_thread
+from kvstore.util.threads import WriteFence, in_thread
 from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore.tier")
@@ -48,6 +49,8 @@ T = TypeVar("T")
 BATCH_BYTES = 1 << 20  # read this much of a file, then checksum it while it is still in L2 cache
 INLINE_CHECK_BYTES = 8 << 20  # remote chunks up to this size are checksummed on the event loop
 OpenedChunk = tuple[ChunkHeader, ObjectFile | None, memoryview | None]  # header, open file, layer 0's stored bytes
+Guard = WriteFence | contextlib.nullcontext[None]  # held around each write into a chunk's destination
+UNGUARDED: Guard = contextlib.nullcontext()
 
 
 class ChunkTier:
@@ -127,17 +130,25 @@ class ChunkTier:
             results.append(None)
         return results
 
-    async def read_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+    async def read_many_into(
+        self, keys: Sequence[ChunkKey], outs: Sequence[memoryview], fences: Sequence[WriteFence] | None = None
+    ) -> list[bool]:
         """Fill each ``outs[i]`` with ``keys[i]``; per key, False on a miss of any kind (absent, corrupt, error).
 
         The batch goes to the backend in ``parallel_reads`` slices at once: a local backend reads
         each slice in one thread call (a thread hop costs ~0.1 ms here, a warm 5 MB chunk read ~0.4 ms).
+        ``fences`` (local tiers only): each write into ``outs[i]`` is made under ``fences[i]``, so
+        a caller whose buffers these are can close them to the thread at its deadline.
+        A miss may leave ``outs[i]`` partly written.
         """
         if not keys:
             return []
+        if fences is not None and not self.is_local:
+            raise ValueError(f"{self.name} tier: fenced reads are for local tiers (file reads in threads)")
+        guards: Sequence[Guard] = fences if fences is not None else [UNGUARDED] * len(keys)
         reads = [
-            ObjectRead(key, partial(self._load_file, key, out), partial(self._load_remote, key, out))
-            for key, out in zip(keys, outs, strict=True)
+            ObjectRead(key, partial(self._load_file, key, out, guard), partial(self._load_remote, key, out))
+            for key, out, guard in zip(keys, outs, guards, strict=True)
         ]
         slices = await asyncio.gather(
             *(self.backend.read_many(part, self.executor) for part in _split(reads, self.parallel_reads))
@@ -176,25 +187,31 @@ class ChunkTier:
 
     # -- from a file: read and verify in one thread call, layer batch by layer batch ---------------
 
-    def _load_file(self, key: ChunkKey, out: memoryview, file: ObjectFile) -> int:
-        """Read and verify the chunk in ``file`` into ``out`` (blocking); the file's size."""
+    def _load_file(self, key: ChunkKey, out: memoryview, guard: Guard, file: ObjectFile) -> int:
+        """Read and verify the chunk in ``file`` into ``out`` (blocking); the file's size.
+
+        Every write into ``out`` (at most one layer batch, ~1 MiB, or one decoded layer) is made under ``guard``.
+        """
         # One read for the header and, if the file is what we write, the first layer batch.
         first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if self._plain else out[:0]
-        header, batch_read = self._read_file_header(file, key, first_batch)
+        header, batch_read = self._read_file_header(file, key, first_batch, guard)
         if header.plain:
-            self._read_identity(file, header, out, self._batch_layers if batch_read else 0)
+            self._read_identity(file, header, out, self._batch_layers if batch_read else 0, guard)
         else:
-            self._read_encoded(file, header, out)
+            self._read_encoded(file, header, out, guard)
         return file.size
 
-    def _read_file_header(self, file: ObjectFile, key: ChunkKey, first_batch: memoryview) -> tuple[ChunkHeader, bool]:
+    def _read_file_header(
+        self, file: ObjectFile, key: ChunkKey, first_batch: memoryview, guard: Guard = UNGUARDED
+    ) -> tuple[ChunkHeader, bool]:
         """The file's checked header, read together with ``first_batch`` (the bytes right after it).
 
         The flag says whether ``first_batch`` now holds those bytes: only when the header had the
         expected size (a file written with another codec or key has another header size).
         """
         head = memoryview(bytearray(self._header_guess))
-        got = file.readinto([head, first_batch], 0)
+        with guard:
+            got = file.readinto([head, first_batch], 0)
         needed = header_length(head[: min(got, len(head))])
         if needed > len(head):
             head = memoryview(bytearray(needed))
@@ -204,7 +221,9 @@ class ChunkTier:
             raise ChunkFormatError(f"file is {file.size} bytes, header says {header.total_len}")
         return header, needed == len(head) == self._header_guess and len(first_batch) > 0
 
-    def _read_identity(self, file: ObjectFile, header: ChunkHeader, out: memoryview, already: int) -> None:
+    def _read_identity(
+        self, file: ObjectFile, header: ChunkHeader, out: memoryview, already: int, guard: Guard
+    ) -> None:
         """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot.
 
         ``already`` leading layers were read together with the header.
@@ -213,16 +232,18 @@ class ChunkTier:
         for first in range(0, self.layout.num_layers, self._batch_layers):
             last = min(first + self._batch_layers, self.layout.num_layers)
             if first >= already:
-                file.readinto([out[first * step : last * step]], header.header_len + first * step)
+                with guard:
+                    file.readinto([out[first * step : last * step]], header.header_len + first * step)
             verify_segments(header.segments, out, range(first, last))
 
-    def _read_encoded(self, file: ObjectFile, header: ChunkHeader, out: memoryview) -> None:
+    def _read_encoded(self, file: ObjectFile, header: ChunkHeader, out: memoryview, guard: Guard) -> None:
         step = self.layout.layer_nbytes
         scratch = memoryview(bytearray(max(segment.stored_len for segment in header.segments)))
         for layer, segment in enumerate(header.segments):
             stored = scratch[: segment.stored_len]
             file.readinto([stored], header.header_len + segment.offset)
-            decode_layer(header, self.layout, layer, stored, out[layer * step : (layer + 1) * step])
+            with guard:
+                decode_layer(header, self.layout, layer, stored, out[layer * step : (layer + 1) * step])
 
     def _require_layer_sized(self, header: ChunkHeader) -> int:
         """A plain chunk's payload is its layers in order, each one segment: the layer size."""

@@ -5,11 +5,16 @@ cancelled (a timeout, a shutdown) the thread keeps running; releasing the slot t
 another chunk overwrite memory that the thread is still using. So :func:`in_thread` does not
 return, even when cancelled, before its thread has finished. What the thread produced for a
 caller that is gone (open files, say) is handed to ``discard`` so that nothing leaks.
+
+A thread that writes into memory the caller owns (a read straight into the caller's buffer)
+cannot hold on to that memory past the caller's deadline: :class:`WriteFence` lets the loop
+close the buffer to the thread at the deadline, waiting only for the one write in progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import ParamSpec, TypeVar
@@ -52,3 +57,54 @@ async def in_thread_or_discard(
         if discard is not None and not future.cancelled() and future.exception() is None:
             discard(future.result())
         raise
+
+
+class FenceClosed(Exception):
+    """A write into a fenced buffer after its owner closed the fence (the thread stops there)."""
+
+
+class WriteFence:
+    """Guards one caller-owned buffer against a worker thread's late writes.
+
+    The thread wraps each write into the buffer in ``with fence:`` (raises :class:`FenceClosed`
+    once the fence is closed, so nothing starts after). The loop calls :meth:`close` when it
+    stops waiting (a deadline): from its return on, no write into the buffer is in progress
+    and none will start, so the caller may reuse the buffer at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held by the thread during each write
+        self._closed = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self._closed:
+            self._lock.release()
+            raise FenceClosed("the buffer's owner stopped waiting")
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+    async def close(self) -> None:
+        """Close the fence; returns once no write into the buffer is in progress (non-blocking for the loop).
+
+        Waits for at most the one write a thread is in the middle of (a bounded piece, e.g. 1 MiB
+        of a file), never for the rest of its work.
+        """
+        self._closed = True  # a thread entering from now on sees it (the flag is read under the lock)
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return
+        waiting = asyncio.get_running_loop().run_in_executor(None, self._wait_for_writer)
+        cancelled = False
+        while not waiting.done():  # even if cancelled: the caller's buffer is only free once the write ends
+            try:
+                await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _wait_for_writer(self) -> None:
+        with self._lock:
+            pass
