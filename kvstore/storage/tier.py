@@ -64,9 +64,11 @@ class ChunkTier:
         executor: Executor | None,
         parallel_reads: int = 2,
         cipher: ChunkCipher | None = None,
+        parallel_writes: int = 2,
     ):
         self.backend = backend
         self.parallel_reads = parallel_reads
+        self.parallel_writes = parallel_writes
         self.codec = codec
         self.cipher = cipher
         self._plain = codec.is_identity and cipher is None  # what we write is readable in place
@@ -105,15 +107,25 @@ class ChunkTier:
         """Store several chunks; per chunk, the exception that stopped it or None (counted either way).
 
         A chunk the backend already holds is not written again (counted as skipped): its bytes
-        never change under its key. A local backend writes the whole batch in one thread call:
-        the cascade drains its queue in batches under load.
+        never change under its key. A local backend writes the batch in ``parallel_writes``
+        slices at once, each in one thread call (the cascade drains its queue in batches under
+        load; one thread per batch left the second core idle: ~0.35-0.65x of two raw writers).
+        Each file reserves its bytes in the backend's budget before it is written, so writers
+        in parallel never take the tier past its capacity.
         """
         writes = [
             ObjectWrite(key, partial(encode_chunk, self.layout, key, chunk, self.codec, self.cipher))
             for key, chunk in items
         ]
+        if self.is_local and len(writes) > 1:
+            slices = await asyncio.gather(
+                *(self.backend.write_many(part, self.executor) for part in _split(writes, self.parallel_writes))
+            )
+            outcomes = [outcome for part in slices for outcome in part]
+        else:
+            outcomes = await self.backend.write_many(writes, self.executor)
         results: list[BaseException | None] = []
-        for outcome in await self.backend.write_many(writes, self.executor):
+        for outcome in outcomes:
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
             if isinstance(outcome, BaseException):
