@@ -36,9 +36,10 @@ def test_demo_runs_the_cascade_and_every_chunk_comes_back(tmp_path: Path) -> Non
 def test_bench_prints_ratios_against_baselines_measured_in_the_same_run(tmp_path: Path) -> None:
     result = runner.invoke(app, ["bench", "--mib", "8", "--repeats", "1", "--dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    for operation in ("DRAM put", "DRAM get", "disk write", "disk read (warm)", "disk read (cold)"):
+    operations = ("DRAM put", "DRAM get", "disk put+flush", "disk get_many (warm)", "disk get_many (cold)")
+    for operation in (*operations, "internal: tier write", "internal: tier read (warm)", "internal: tier read (cold)"):
         assert operation in result.output
-    assert len(re.findall(r"\d+\.\d\dx", result.output)) == 10  # one ratio per layout and operation
+    assert len(re.findall(r"\d+\.\d\dx", result.output)) == 16  # one ratio per layout and operation
     assert "bytesplit" in result.output and "rms rel" in result.output
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
 
