@@ -46,7 +46,7 @@ from kvstore.sizing.mrc import ReuseProfile
 from kvstore.storage.breaker import CircuitBreaker
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.tier import ChunkTier
-from kvstore.util.buffers import tensor_bytes
+from kvstore.util.buffers import copy_between, tensor_bytes
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
@@ -238,7 +238,7 @@ class KVStore:
             return False
         try:
             with torch.no_grad():  # a tensor that requires grad must leave no autograd history in the slot
-                self.pool.tensor(slot).copy_(kv)
+                copy_between(self.pool.tensor(slot), kv.detach())  # torch's copy_ of bf16 chunks: 2-6x slower
             if not self.pool.publish(slot, key):  # another put of the same key won the race
                 self._counters["put_duplicate"] += 1
                 return True
@@ -344,7 +344,11 @@ class KVStore:
                 return
             source = self.pool.tensor(slot)
             with torch.no_grad():
-                results[i] = outs[i].copy_(source) if outs is not None else source.clone()
+                if outs is None:
+                    results[i] = source.clone()
+                else:
+                    copy_between(outs[i].detach(), source)
+                    results[i] = outs[i]
 
         slots = [self.pool.acquire(key) for key in keys]
         try:
