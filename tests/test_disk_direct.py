@@ -25,7 +25,7 @@ from kvstore.codecs import make_codec
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import encode_chunk
 from kvstore.storage.tier import ChunkTier
-from kvstore.util.buffers import tensor_bytes
+from kvstore.util.buffers import as_bytes_view, tensor_bytes
 from kvstore.util.threads import FenceClosed, WriteFence
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32)
@@ -97,6 +97,7 @@ async def test_get_many_into_outs_needs_no_dram_slot(tmp_path: Path) -> None:
         assert stats["store"]["admitted"] == 0 and stats["store"]["admissions_dropped"] == 6  # no slot to admit to
         assert stats["dram"]["chunks"] == 0
         for slot in held:
+            assert slot is not None
             store.pool.release(slot)
 
 
@@ -115,20 +116,24 @@ async def test_chunks_read_into_outs_are_admitted_to_dram_after_the_call(tmp_pat
         assert all(r is not None and torch.equal(r, make_chunk(i)) for i, r in enumerate(results))
         assert store.stats()["disk"]["hits"] == disk_hits  # served by DRAM: the disk was not asked
         outs[0].fill_(SENTINEL)  # the caller's buffers are the caller's: DRAM kept its own copy
-        assert torch.equal(await store.get(keys[0]), make_chunk(0))
+        got = await store.get(keys[0])
+        assert got is not None and torch.equal(got, make_chunk(0))
 
 
 async def test_a_corrupt_chunk_read_into_outs_is_a_counted_miss(tmp_path: Path) -> None:
     keys = await stored(tmp_path, 3)
     async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
-        path = store.tiers[0].backend.path_for(keys[1])
+        backend = store.tiers[0].backend
+        assert isinstance(backend, DiskBackend)
+        path = backend.path_for(keys[1])
         data = bytearray(path.read_bytes())
         data[-100] ^= 0xFF  # a payload byte: the layer's checksum no longer matches
         path.write_bytes(bytes(data))
         outs = caller_buffers(3)
         results = await store.get_many(keys, outs)
         assert results[1] is None  # never reported as data, whatever outs[1] now holds
-        assert torch.equal(results[0], make_chunk(0)) and torch.equal(results[2], make_chunk(2))
+        assert results[0] is not None and torch.equal(results[0], make_chunk(0))
+        assert results[2] is not None and torch.equal(results[2], make_chunk(2))
         stats = store.stats()
         assert stats["disk"]["corrupt"] == 1 and stats["store"]["misses"] == 1 and not path.exists()
         await store.flush()
@@ -270,7 +275,7 @@ async def test_parallel_writes_never_take_the_disk_past_its_budget(tmp_path: Pat
 
 def _encoded(seed: int) -> list[memoryview]:
     parts = encode_chunk(LAYOUT, keys_for(1)[0], tensor_bytes(make_chunk(seed)), make_codec("identity"), None)
-    return [memoryview(part).cast("B") for part in parts]
+    return [as_bytes_view(part) for part in parts]
 
 
 @pytest.mark.parametrize("fsync", [False, True], ids=["no-fsync", "fsync"])

@@ -33,12 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec, roundtrip_error
 from kvstore.config import StoreConfig
 from kvstore.engine.store import WRITE_BATCH, KVStore
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
-from kvstore.util.buffers import Buffer
+from kvstore.util.buffers import Buffer, tensor_bytes
 from kvstore.util.units import MB, per_second
 
 LAYOUTS: dict[str, KVLayout] = {
@@ -146,10 +147,10 @@ async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> 
     source_b, staging_b, output_b = flat[: len(sources)], flat[len(sources) : -chunks], flat[-chunks:]
 
     async def memcpy() -> float:
-        return _timed(lambda: [np.copyto(staging_b[i], source_b[i % len(sources)]) for i in range(chunks)])
+        return _timed(lambda: _copy_all(staging_b, [source_b[i % len(sources)] for i in range(chunks)]))
 
     async def memcpy_out() -> float:
-        return _timed(lambda: [np.copyto(output_b[i], staging_b[i]) for i in range(chunks)])
+        return _timed(lambda: _copy_all(output_b, staging_b))
 
     config = StoreConfig(dram={"capacity": (chunks + 1) * layout.chunk_nbytes}, disk={"enabled": False})
     async with KVStore(config, layout, namespace=f"bench-{name}") as store:
@@ -182,6 +183,12 @@ async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> 
 def _flat(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous tensor's bytes as a flat numpy array (no copy)."""
     return tensor.view(torch.uint8).reshape(-1).numpy()
+
+
+def _copy_all(targets: Sequence[np.ndarray], sources: Sequence[np.ndarray]) -> None:
+    """The memcpy baseline: each source into its target."""
+    for target, source in zip(targets, sources, strict=True):
+        np.copyto(target, source)
 
 
 def _raw_write(directory: Path, index: int, data: memoryview, fsync: bool) -> None:
@@ -266,9 +273,9 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
       directly, the figures earlier versions of this bench reported.
     """
     sources = _sample_chunks(layout, min(chunks, 4), seed=1)
-    source_bytes = [memoryview(s.view(torch.uint8).reshape(-1).numpy()) for s in sources]
+    source_bytes = [tensor_bytes(s) for s in sources]
     outs = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]  # pre-touched
-    out_bytes = [memoryview(out.view(torch.uint8).reshape(-1).numpy()) for out in outs]
+    out_bytes = [tensor_bytes(out) for out in outs]
     total = chunks * layout.chunk_nbytes
     keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
     config = StoreConfig(
@@ -281,6 +288,8 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
         raw = RawFiles(directory / "raw", executor)
         async with KVStore(config, layout, namespace=f"bench-{name}") as store:
             tier = store.tiers[0]
+            files = tier.backend
+            assert isinstance(files, DiskBackend)
 
             async def clear() -> None:
                 await store.flush()  # admissions and writes of the last round: outside the timings
@@ -301,7 +310,7 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
             async def get_many(cold: bool) -> float:
                 await clear()
                 if cold:
-                    _drop_cache([tier.backend.path_for(key) for key in keys])
+                    _drop_cache([files.path_for(key) for key in keys])
                 start = time.perf_counter()
                 results = await store.get_many(keys, outs)
                 elapsed = time.perf_counter() - start
@@ -324,7 +333,7 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
 
             async def tier_read(cold: bool) -> float:
                 if cold:
-                    _drop_cache([tier.backend.path_for(key) for key in keys])
+                    _drop_cache([files.path_for(key) for key in keys])
                 start = time.perf_counter()
                 found = await tier.read_many_into(keys, out_bytes)
                 elapsed = time.perf_counter() - start
