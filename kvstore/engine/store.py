@@ -3,7 +3,8 @@
 - ``put`` copies the chunk into a DRAM slot and returns; each secondary tier gets the write
   through its own bounded queue (a full queue drops that tier's write and counts it).
 - ``get`` serves DRAM, else reads the first tier that has the chunk straight into a fresh
-  slot (promotion) and queues it for the faster tiers it skipped.
+  slot (promotion) and queues it for the faster tiers it skipped. Given CPU output tensors,
+  the disk tier reads straight into them instead, and the promotion follows the call.
 - Every tier operation runs under its configured timeout; ``lookup`` and ``get_many`` wait at
   most one ``timeouts.get`` per call, whatever the number of chunks (engine/loads.py). A slot
   handed to an operation stays referenced until that operation has really finished, even past a
