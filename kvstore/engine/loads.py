@@ -126,8 +126,8 @@ class TierLoader:
         With ``outs`` (the caller's buffers, one per key), local tiers read straight into
         ``outs[i]`` and ``deliver(i, None)`` says so; the chunk is admitted to DRAM afterwards, off
         this call (see the module docstring). Such a call reads for itself, never waiting for
-        another call's load of the same key (that one fills its own buffers). A miss may leave ``outs[i]`` partly written; nothing
-        writes into ``outs`` once this returns.
+        another call's load of the same key (that one fills its own buffers). A miss may leave
+        ``outs[i]`` partly written; nothing writes into ``outs`` once this returns.
         """
         if outs is not None and any(tier.is_local for tier in self.tiers):
             # Not deduplicated against other calls: each has its own buffers to fill.
