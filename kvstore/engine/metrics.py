@@ -52,6 +52,11 @@ COUNTERS = {
     ("store", "misses"): ("kvstore_misses", "chunks get()/get_many() found in no tier"),
     ("store", "streamed"): ("kvstore_streamed", "chunks opened by layer streams (prefetch), from any tier"),
     ("store", "streamed_from_dram"): ("kvstore_streamed_from_dram", "chunks layer streams found in DRAM"),
+    ("store", "admitted"): ("kvstore_admitted", "chunks get_many read into the caller's buffers, then put in DRAM"),
+    ("store", "admissions_dropped"): (
+        "kvstore_admissions_dropped",
+        "chunks get_many read into the caller's buffers and did not admit to DRAM (no slot free, or a failed read)",
+    ),
     ("tier", "hits"): ("kvstore_tier_hits", "chunks read from the tier"),
     ("tier", "misses"): ("kvstore_tier_misses", "chunk reads the tier did not hold"),
     ("tier", "bytes_read"): ("kvstore_tier_read_bytes", "stored bytes read from the tier"),
