@@ -18,7 +18,7 @@ straight into them: no slot, no second copy, and no limit from the slots free. E
 a caller's buffer is fenced (:class:`~kvstore.util.threads.WriteFence`): at the deadline the
 buffers are closed to the reading threads, so no write lands in them after the call returns.
 Closing waits for a write already in progress (one ~1 MiB read or one decoded layer): a disk
-frozen inside that very read system call holds the call past its deadline until the call
+frozen inside that very read system call holds the call past its deadline until the system call
 returns, the price of never letting a late write into memory the caller has taken back.
 The chunks found are then admitted to DRAM (and queued for the faster tiers) off the caller's
 path: a background read of the same file, now in the page cache, into a fresh slot. Copying
