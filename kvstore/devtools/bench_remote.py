@@ -11,6 +11,10 @@ very same container bytes (encoded once up front) with the same number of reques
 - get  ``store.get_many(keys, outs)`` into caller tensors, DRAM not holding the chunks, checksums
   verified  vs  redis-py ``GET`` / ``get_object`` + ``body.read()`` (bytes left where the client put them)
 
+An extra row per server and layout, labelled internal, times ``ChunkTier.write_many`` alone on
+the same chunks (no store, no DRAM copy) against the same raw puts: it shows how much of a put
+gap lies in the tier's path and how much in the store's copy into DRAM.
+
 Then every codec through the tier (``ChunkTier``, internal) on real KV (the SmolLM2 sample):
 compression ratio and logical (uncompressed) MB/s for put and get. The servers are real
 processes on this machine (:mod:`kvstore.devtools.servers`), started here and stopped at the
@@ -63,11 +67,20 @@ class RemoteRow(Row):
         return TARGET
 
 
+class InternalRow(Row):
+    """An extra row timing ``ChunkTier`` alone (no store, no DRAM copy): it shows where a public-API gap lies."""
+
+    @property
+    def target(self) -> float | None:
+        """None: the targets are the public API's."""
+        return None
+
+
 @dataclass
 class RemoteResults:
     """What :func:`run_remote` measured: ratio rows per server and layout, then codec rows on real KV."""
 
-    rows: list[RemoteRow] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # RemoteRow, and InternalRow extras
     codec_rows: list[CodecRow] = field(default_factory=list)
 
 
@@ -306,8 +319,10 @@ def store_config(remote: Remote, layout: KVLayout, chunks: int) -> StoreConfig:
 
 async def bench_api(
     remote: Remote, name: str, layout: KVLayout, chunks: int, repeats: int, concurrency: int
-) -> list[RemoteRow]:
+) -> list[Row]:
     """``put`` + ``flush`` and ``get_many(keys, outs)`` of a store on ``remote`` against the raw client.
+
+    An extra internal row times ``ChunkTier.write_many`` alone on the same chunks (no DRAM copy).
 
     Every pass writes fresh keys (each side deletes its pass's objects after timing it), so
     neither overwrites on the server; before each get pass the chunks leave DRAM, so they come
@@ -382,7 +397,15 @@ async def bench_api(
 
         await store_puts(get_keys)  # what the get passes read, written once through the store
         await _bounded(concurrency, chunks, lambda i: raw.put(names[i], containers[i]))
-        put_base, put_time = await _best_pair(raw_put, kvstore_put, repeats)
+
+        async def tier_put() -> float:  # internal: the tier alone, from the caller's tensors (no DRAM copy)
+            items = list(zip(fresh_keys(), map(tensor_bytes, tensors), strict=True))
+            seconds = await _tier_put(tier, items, concurrency)
+            for key, _ in items:
+                await tier.backend.delete(key)
+            return seconds
+
+        put_base, put_time, tier_time = await _best_of((raw_put, kvstore_put, tier_put), repeats)
         get_base, get_time = await _best_pair(raw_get, kvstore_get, repeats)
         if await raw.get(names[-1]) != containers[-1]:
             raise RuntimeError(f"raw {remote.name} round trip changed the data")
@@ -395,8 +418,18 @@ async def bench_api(
     total = sum(len(c) for c in containers)  # the bytes on the wire, on both sides
     return [
         RemoteRow(name, f"{remote.name} put+flush", total, put_time, put_base, raw.label[0]),
+        InternalRow(name, f"{remote.name} put, tier only (internal)", total, tier_time, put_base, raw.label[0]),
         RemoteRow(name, f"{remote.name} get_many", total, get_time, get_base, raw.label[1]),
     ]
+
+
+async def _best_of(runs: Sequence[Callable[[], Awaitable[float]]], repeats: int) -> list[float]:
+    """Each run's best time, the runs taken in turn ``repeats`` times so that all see the same machine noise."""
+    best = [math.inf] * len(runs)
+    for _ in range(repeats):
+        for index, run in enumerate(runs):
+            best[index] = min(best[index], await run())
+    return best
 
 
 def real_chunks(sample: torch.Tensor, layout: KVLayout) -> list[torch.Tensor]:
