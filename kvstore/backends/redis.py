@@ -20,7 +20,7 @@ waiting for a free connection included, returns or raises within ``operation_tim
 ``connect_timeout + socket_timeout + 0.25 s``; that also caps the cluster client's own retries.
 The URL's password is never shown: ``url``, ``repr()``, logs and error texts mask it.
 
-(About 520 lines: one backend per module, and this one serves both a single server and a
+(About 550 lines: one backend per module, and this one serves both a single server and a
 Cluster, with their retry, timeout and atomic-read rules; the operator-side scan lives in
 :mod:`kvstore.backends.maintenance`.)
 """

@@ -300,11 +300,14 @@ async def _tier_get(tier: ChunkTier, keys: list[str], slots: list[memoryview], c
     return await _bounded(concurrency, len(keys), one)
 
 
-def store_config(remote: Remote, layout: KVLayout, chunks: int) -> StoreConfig:
+def store_config(remote: Remote, layout: KVLayout, chunks: int, concurrency: int = CONCURRENCY) -> StoreConfig:
     """A store with DRAM in front of ``remote`` alone: identity codec, room and queue for every chunk of a pass.
 
-    The tier keeps the store's other defaults (two cascade workers, the configured connection
-    limit); only the deadlines are widened, so a slow moment on a shared machine is not a miss.
+    ``concurrency`` is both the tier's connection limit (in ``remote.settings``) and its
+    ``tier_workers`` (writes in flight): with the default two workers, four 32 MiB chunks went up
+    two at a time (a worker takes what is queued when it wakes: often one chunk) where the raw
+    client had four in flight. The deadlines are widened, so a slow moment on a shared machine
+    is not a miss.
     """
     (section, settings), *_ = remote.settings.items()
     return StoreConfig(
@@ -312,6 +315,7 @@ def store_config(remote: Remote, layout: KVLayout, chunks: int) -> StoreConfig:
         disk={"enabled": False},
         **{section: {**settings, "codec": "identity"}},
         queue_depth=max(64, 2 * chunks),
+        tier_workers=concurrency,
         timeouts={"get": 120, "put": 120},
         adaptive={"track": False},
     )
@@ -347,7 +351,9 @@ async def bench_api(
     outs = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]  # pre-touched
     async with AsyncExitStack() as stack:
         raw = await remote.open_raw(stack)
-        store = await stack.enter_async_context(KVStore(store_config(remote, layout, chunks), layout, NAMESPACE))
+        store = await stack.enter_async_context(
+            KVStore(store_config(remote, layout, chunks, concurrency), layout, NAMESPACE)
+        )
         (tier,) = store.tiers
 
         async def store_puts(keys: list[ChunkKey]) -> float:
