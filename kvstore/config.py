@@ -123,6 +123,9 @@ class _RemoteSection(_Section):
         return value
 
 
+MULTIPART_MIN, SINGLE_PUT_MAX = 5 << 20, 5 << 30  # S3's smallest part (all but the last), largest single PUT
+
+
 class S3Config(_RemoteSection):
     """Credentials are not configured here: they come from the standard AWS chain (env, ~/.aws, roles)."""
 
@@ -135,10 +138,25 @@ class S3Config(_RemoteSection):
         "auto", description="'auto' is path style with a custom endpoint (MinIO, SeaweedFS), else virtual"
     )
     max_concurrency: int = Field(16, ge=1, le=1024, description="requests in flight at once")
-    multipart_threshold: Size = Field(ByteSize(16 << 20), description="objects this large upload in parts")
+    multipart_threshold: Size = Field(
+        ByteSize(64 << 20),
+        description="objects this large upload in parts, smaller ones in one PUT (5MiB to 5GiB; "
+        "the default keeps a chunk of even a large model whole: one request is faster than parts)",
+    )
     part_size: Size = Field(ByteSize(8 << 20), ge=5 << 20, description="multipart part size (S3 minimum 5MiB)")
     max_attempts: int = Field(4, ge=1, le=20, description="tries per request; throttling and 5xx back off and retry")
     create_bucket: bool = Field(False, description="create the bucket at start if it is missing")
+
+    @field_validator("multipart_threshold")
+    @classmethod
+    def _threshold_in_s3_limits(cls, value: ByteSize) -> ByteSize:
+        """S3 refuses a single PUT over 5 GiB, and multipart parts (but the last) under 5 MiB."""
+        if not MULTIPART_MIN <= value <= SINGLE_PUT_MAX:
+            raise ValueError(
+                "must lie within 5MiB and 5GiB (S3's smallest part and largest single PUT); "
+                "set s3.multipart_threshold to e.g. '64MiB', above your model's chunk size"
+            )
+        return value
 
     @model_validator(mode="after")
     def _bucket_when_enabled(self) -> S3Config:

@@ -657,6 +657,19 @@ def test_bad_remote_values_name_the_key(kwargs, key):
     assert key in error_text(excinfo)
 
 
+@pytest.mark.parametrize("threshold", ["1MiB", "4.5MiB", "6GiB"])
+def test_a_multipart_threshold_outside_s3_limits_names_the_option_and_the_fix(threshold):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(s3={"multipart_threshold": threshold})
+    assert_mentions(error_text(excinfo), "s3.multipart_threshold = ", "5MiB and 5GiB", "e.g. '64MiB'")
+
+
+def test_the_multipart_threshold_keeps_a_typical_chunk_in_one_put_by_default():
+    assert StoreConfig().s3.multipart_threshold == 64 * MiB  # a Llama-3-8B chunk is 32 MiB
+    assert StoreConfig(s3={"multipart_threshold": "5MiB"}).s3.multipart_threshold == 5 * MiB
+    assert StoreConfig(s3={"multipart_threshold": "5GiB"}).s3.multipart_threshold == 5 << 30
+
+
 def test_redis_url_with_a_password_is_not_in_the_repr():
     config = StoreConfig(redis={"url": "redis://user:hunter2@cache:6379/0"})
     assert "hunter2" not in repr(config) and "hunter2" not in str(config)

@@ -22,7 +22,9 @@ import pytest
 from aiohttp import web
 from botocore.exceptions import BotoCoreError, ClientError, ReadTimeoutError
 
+from kvstore.backends import make_backend
 from kvstore.backends.s3 import S3Backend
+from kvstore.config import S3Config, TimeoutConfig
 from kvstore.devtools.servers import MotoServer, S3Server, SeaweedFSServer
 from kvstore.errors import S3BackendError
 from kvstore.testing import listed_keys
@@ -180,6 +182,7 @@ async def proxied_backend(proxy: FaultProxy, **options: Any) -> S3Backend:
 
 
 async def test_multipart_round_trip_and_ranges(backend: S3Backend) -> None:
+    backend.multipart_threshold = 16 << 20  # below the 64 MiB default: 40 MiB goes up in 8 MiB parts
     header, payload = os.urandom(4096), os.urandom(40 << 20)
     data = header + payload
     await backend.set(key(1), [header, memoryview(payload)])
@@ -199,6 +202,50 @@ async def test_multipart_round_trip_and_ranges(backend: S3Backend) -> None:
     assert await backend.get_into(key(2), [memoryview(short)]) is None
     assert await backend.get(key(2)) is None
     assert backend.bytes_uploaded == len(data) and backend.bytes_downloaded >= 2 * len(data)
+
+
+async def _etag(store: S3Backend, name: str) -> str:
+    """The stored object's ETag: a multipart upload's ends in ``-<number of parts>`` (S3's rule)."""
+    return str((await store._call("head_object", Bucket=store.bucket, Key=store._name(name)))["ETag"]).strip('"')
+
+
+async def test_the_multipart_threshold_from_the_config_splits_only_larger_objects(credentials: S3Server) -> None:
+    """A Llama-3-8B-sized container (32 MiB) under the default threshold is one PUT; over a lowered one, parts."""
+    llama_chunk = os.urandom(4096) + os.urandom(32 << 20)
+    stores = []
+    for threshold in (None, "20MiB"):  # None: the default (64 MiB)
+        section = S3Config(
+            bucket=BUCKET,
+            prefix=f"t-{uuid.uuid4().hex[:12]}",
+            endpoint_url=credentials.endpoint_url,
+            create_bucket=True,
+            part_size="12MiB",
+            **({} if threshold is None else {"multipart_threshold": threshold}),
+        )
+        store = make_backend(section, TimeoutConfig())
+        assert isinstance(store, S3Backend)
+        stores.append(store)
+        await store.open()
+    whole, split = stores
+    try:
+        assert whole.multipart_threshold == 64 << 20 and split.multipart_threshold == 20 << 20
+        for store in stores:
+            await store.set(key(7), [llama_chunk[:4096], memoryview(llama_chunk)[4096:]])
+            assert await store.get(key(7)) == llama_chunk
+            first, rest = bytearray(5000), bytearray(len(llama_chunk) - 5000)
+            assert await store.get_into(key(7), [memoryview(first), memoryview(rest)]) == len(llama_chunk)
+            assert first + rest == llama_chunk
+        assert whole.stats()["multipart_uploads"] == 0 and "-" not in await _etag(whole, key(7))
+        assert split.stats()["multipart_uploads"] == 1 and (await _etag(split, key(7))).endswith("-3")  # 12+12+8
+    finally:
+        for store in stores:
+            await store.close()
+
+
+def test_a_multipart_threshold_out_of_s3_limits_is_refused() -> None:
+    for bad in (1 << 20, 6 << 30):
+        with pytest.raises(ValueError, match="multipart_threshold must lie within"):
+            S3Backend(BUCKET, multipart_threshold=bad)
 
 
 async def test_small_objects_go_up_in_one_put(backend: S3Backend) -> None:

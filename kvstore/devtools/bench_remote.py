@@ -1,17 +1,24 @@
-"""``kvstore bench --remote``: the S3 and Redis tiers against their raw clients, measured in the same run.
+"""``kvstore bench --remote``: a store whose archive is Redis or S3, against the raw client, in the same run.
 
-Each kvstore figure sits beside the raw client moving the very same container bytes (encoded
-once up front) with the same number of requests in flight, run alternately, best of N:
+Each kvstore figure times the public API of a :class:`~kvstore.KVStore` with DRAM in front and
+the one remote tier below it (disk disabled, identity codec), beside the raw client moving the
+very same container bytes (encoded once up front) with the same number of requests in flight
+(the tier's connection limit), run alternately, best of N:
 
-- put  ``ChunkTier.write_many`` (identity codec)  vs  aiobotocore ``put_object`` (multipart above
-  the S3 tier's threshold, same part size) / redis-py ``SET`` (hiredis parser)
-- get  ``ChunkTier.read_many_into`` into pre-allocated slots, checksums verified  vs  ``get_object``
-  + ``body.read()`` / redis-py ``GET`` (bytes left where the client put them)
+- put  ``store.put`` of every chunk then ``store.flush()`` (the chunks have reached the server)
+  vs  redis-py ``SET`` (hiredis parser) / one aiobotocore ``put_object`` per chunk (below the S3
+  tier's default multipart threshold, as kvstore's own upload)
+- get  ``store.get_many(keys, outs)`` into caller tensors, DRAM not holding the chunks, checksums
+  verified  vs  redis-py ``GET`` / ``get_object`` + ``body.read()`` (bytes left where the client put them)
 
-Then every codec through the tier on real KV (the SmolLM2 sample): compression ratio and
-logical (uncompressed) MB/s for put and get. The servers are real processes on this machine
-(:mod:`kvstore.devtools.servers`), started here and stopped at the end. The functions return
-rows; :mod:`kvstore.cli.bench` prints them.
+An extra row per server and layout, labelled internal, times ``ChunkTier.write_many`` alone on
+the same chunks (no store, no DRAM copy) against the same raw puts: it shows how much of a put
+gap lies in the tier's path and how much in the store's copy into DRAM.
+
+Then every codec through the tier (``ChunkTier``, internal) on real KV (the SmolLM2 sample):
+compression ratio and logical (uncompressed) MB/s for put and get. The servers are real
+processes on this machine (:mod:`kvstore.devtools.servers`), started here and stopped at the
+end. The functions return rows; :mod:`kvstore.cli.bench` prints them.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import torch
 
 from kvstore.backends.base import Backend
 from kvstore.codecs import make_codec
+from kvstore.config import S3Config, StoreConfig
 from kvstore.devtools.bench import LAYOUTS, CodecRow, Row, _best_pair, _sample_chunks, parse_names
 from kvstore.devtools.servers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
-from kvstore.keys import chunk_keys
+from kvstore.engine.store import KVStore
+from kvstore.keys import ChunkKey, chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.storage.container import encode_chunk
 from kvstore.storage.tier import ChunkTier
@@ -44,7 +53,9 @@ TARGET = 0.9
 REMOTE_CODECS = ["identity", "bytesplit", "zstd", "fp8", "fp8+zstd"]
 CODEC_MIB = 64  # logical MiB per codec measurement (at most --mib): 5 codecs x 3 servers must stay quick
 BUCKET = "kvstore-bench"
-MULTIPART_THRESHOLD, PART_SIZE = 16 << 20, 8 << 20  # the S3 tier's defaults, given to both sides
+S3_DEFAULTS = S3Config()  # the S3 tier's multipart threshold and part size, as a user gets them
+MULTIPART_THRESHOLD, PART_SIZE = int(S3_DEFAULTS.multipart_threshold), int(S3_DEFAULTS.part_size)
+NAMESPACE = "bench"
 
 
 class RemoteRow(Row):
@@ -56,11 +67,20 @@ class RemoteRow(Row):
         return TARGET
 
 
+class InternalRow(Row):
+    """An extra row timing ``ChunkTier`` alone (no store, no DRAM copy): it shows where a public-API gap lies."""
+
+    @property
+    def target(self) -> float | None:
+        """None: the targets are the public API's."""
+        return None
+
+
 @dataclass
 class RemoteResults:
     """What :func:`run_remote` measured: ratio rows per server and layout, then codec rows on real KV."""
 
-    rows: list[RemoteRow] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # RemoteRow, and InternalRow extras
     codec_rows: list[CodecRow] = field(default_factory=list)
 
 
@@ -137,6 +157,7 @@ class Remote:
     name: str
     make_backend: Callable[[], Backend]
     open_raw: Callable[[AsyncExitStack], Awaitable[RawClient]]
+    settings: dict[str, Any]  # StoreConfig keyword arguments enabling this server as the store's one tier
 
 
 def _redis_remote(server: RedisServer, concurrency: int) -> Remote:
@@ -150,7 +171,10 @@ def _redis_remote(server: RedisServer, concurrency: int) -> Remote:
         stack.push_async_callback(client.aclose)
         return RawRedis(client)
 
-    return Remote("redis", lambda: RedisBackend(server.url, prefix="bench", max_connections=concurrency), open_raw)
+    settings = {"redis": {"enabled": True, "url": server.url, "prefix": "bench", "max_connections": concurrency}}
+    return Remote(
+        "redis", lambda: RedisBackend(server.url, prefix="bench", max_connections=concurrency), open_raw, settings
+    )
 
 
 def _s3_remote(server: S3Server, concurrency: int) -> Remote:
@@ -192,7 +216,19 @@ def _s3_remote(server: S3Server, concurrency: int) -> Remote:
         )
         return RawS3(client, concurrency)
 
-    return Remote(server.name, make_backend, open_raw)
+    settings = {
+        "s3": {
+            "enabled": True,
+            "bucket": BUCKET,
+            "prefix": "bench",
+            "endpoint_url": server.endpoint_url,
+            "region": server.region,
+            "addressing_style": "path",
+            "max_concurrency": concurrency,
+            "create_bucket": True,
+        }
+    }
+    return Remote(server.name, make_backend, open_raw, settings)
 
 
 @contextmanager
@@ -264,31 +300,99 @@ async def _tier_get(tier: ChunkTier, keys: list[str], slots: list[memoryview], c
     return await _bounded(concurrency, len(keys), one)
 
 
-async def bench_identity(
-    remote: Remote,
-    name: str,
-    layout: KVLayout,
-    chunks: int,
-    repeats: int,
-    concurrency: int,
-    executor: ThreadPoolExecutor,
-) -> list[RemoteRow]:
-    """Put and get of identity-coded chunks through the tier against the raw client on the same bytes."""
+def store_config(remote: Remote, layout: KVLayout, chunks: int, concurrency: int = CONCURRENCY) -> StoreConfig:
+    """A store with DRAM in front of ``remote`` alone: identity codec, room and queue for every chunk of a pass.
+
+    ``concurrency`` is both the tier's connection limit (in ``remote.settings``) and its
+    ``tier_workers`` (writes in flight): with the default two workers, four 32 MiB chunks went up
+    two at a time (a worker takes what is queued when it wakes: often one chunk) where the raw
+    client had four in flight. The deadlines are widened, so a slow moment on a shared machine
+    is not a miss.
+    """
+    (section, settings), *_ = remote.settings.items()
+    return StoreConfig(
+        dram={"capacity": (2 * chunks + 8) * layout.chunk_nbytes, "pin_memory": "never"},
+        disk={"enabled": False},
+        **{section: {**settings, "codec": "identity"}},
+        queue_depth=max(64, 2 * chunks),
+        tier_workers=concurrency,
+        timeouts={"get": 120, "put": 120},
+        adaptive={"track": False},
+    )
+
+
+async def bench_api(
+    remote: Remote, name: str, layout: KVLayout, chunks: int, repeats: int, concurrency: int
+) -> list[Row]:
+    """``put`` + ``flush`` and ``get_many(keys, outs)`` of a store on ``remote`` against the raw client.
+
+    An extra internal row times ``ChunkTier.write_many`` alone on the same chunks (no DRAM copy).
+
+    Every pass writes fresh keys (each side deletes its pass's objects after timing it), so
+    neither overwrites on the server; before each get pass the chunks leave DRAM, so they come
+    from the server. Raises RuntimeError if the store drops, fails or misses a chunk, or if
+    either round trip changes a byte.
+    """
     sources = _sample_chunks(layout, min(chunks, 4), seed=2)
-    views = [tensor_bytes(sources[i % len(sources)]) for i in range(chunks)]
-    keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
+    tensors = [sources[i % len(sources)] for i in range(chunks)]
     identity = make_codec("identity")
-    containers = [b"".join(encode_chunk(layout, key, view, identity)) for key, view in zip(keys, views, strict=True)]
-    names = [f"raw-{key}" for key in keys]
-    destination = torch.zeros(chunks, layout.chunk_nbytes, dtype=torch.uint8)  # pre-touched, like DRAM slots
-    slots = [memoryview(destination[i].numpy()) for i in range(chunks)]
-    items = list(zip(keys, views, strict=True))
+    keys_of_pass = iter(range(1, 1 << 30))
+
+    def fresh_keys() -> list[ChunkKey]:
+        number, half = next(keys_of_pass), layout.chunk_tokens // 2
+        return [k for i in range(chunks) for k in chunk_keys([number, i] * half, layout, NAMESPACE)]
+
+    get_keys = fresh_keys()
+    containers = [  # what the identity tier stores: the raw client moves these very bytes
+        b"".join(encode_chunk(layout, key, tensor_bytes(tensor), identity))
+        for key, tensor in zip(get_keys, tensors, strict=True)
+    ]
+    names = [f"raw-{key}" for key in get_keys]
+    outs = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]  # pre-touched
     async with AsyncExitStack() as stack:
         raw = await remote.open_raw(stack)
-        tier = await stack.enter_async_context(_tier(remote, "identity", layout, executor))
+        store = await stack.enter_async_context(
+            KVStore(store_config(remote, layout, chunks, concurrency), layout, NAMESPACE)
+        )
+        (tier,) = store.tiers
+
+        async def store_puts(keys: list[ChunkKey]) -> float:
+            before = dict(tier.stats.as_dict())
+            start = time.perf_counter()
+            for key, tensor in zip(keys, tensors, strict=True):
+                if not await store.put(key, tensor):
+                    raise RuntimeError("the DRAM pool rejected a put during the benchmark")
+            await store.flush()
+            seconds = time.perf_counter() - start
+            after = tier.stats.as_dict()
+            if after["writes"] - before["writes"] != chunks:
+                raise RuntimeError(f"the {tier.name} tier did not write every chunk: {after}")
+            for key in keys:
+                store.pool.discard(key)  # out of DRAM: a get pass reads from the server
+            return seconds
+
+        async def kvstore_put() -> float:
+            keys = fresh_keys()
+            seconds = await store_puts(keys)
+            for key in keys:
+                await tier.backend.delete(key)
+            return seconds
 
         async def raw_put() -> float:
-            return await _bounded(concurrency, chunks, lambda i: raw.put(names[i], containers[i]))
+            seconds = await _bounded(concurrency, chunks, lambda i: raw.put(f"{names[i]}-put", containers[i]))
+            for i in range(chunks):
+                await raw.delete(f"{names[i]}-put")
+            return seconds
+
+        async def kvstore_get() -> float:
+            start = time.perf_counter()
+            results = await store.get_many(get_keys, outs)
+            seconds = time.perf_counter() - start
+            if any(result is None for result in results):
+                raise RuntimeError(f"the {tier.name} tier missed chunks during the benchmark ({store.stats()})")
+            for key in get_keys:
+                store.pool.discard(key)  # get_many promoted them: the next pass must read the server again
+            return seconds
 
         async def raw_get() -> float:
             async def one(i: int) -> None:
@@ -297,21 +401,41 @@ async def bench_identity(
 
             return await _bounded(concurrency, chunks, one)
 
-        put_base, put_time = await _best_pair(raw_put, lambda: _tier_put(tier, items, concurrency), repeats)
-        get_base, get_time = await _best_pair(raw_get, lambda: _tier_get(tier, keys, slots, concurrency), repeats)
+        await store_puts(get_keys)  # what the get passes read, written once through the store
+        await _bounded(concurrency, chunks, lambda i: raw.put(names[i], containers[i]))
+
+        async def tier_put() -> float:  # internal: the tier alone, from the caller's tensors (no DRAM copy)
+            items = list(zip(fresh_keys(), map(tensor_bytes, tensors), strict=True))
+            seconds = await _tier_put(tier, items, concurrency)
+            for key, _ in items:
+                await tier.backend.delete(key)
+            return seconds
+
+        put_base, put_time, tier_time = await _best_of((raw_put, kvstore_put, tier_put), repeats)
+        get_base, get_time = await _best_pair(raw_get, kvstore_get, repeats)
         if await raw.get(names[-1]) != containers[-1]:
             raise RuntimeError(f"raw {remote.name} round trip changed the data")
-        for i in range(chunks):
-            if not torch.equal(destination[i], sources[i % len(sources)].view(torch.uint8).reshape(-1)):
-                raise RuntimeError(f"{remote.name} tier round trip changed the data")
+        for out, tensor in zip(outs, tensors, strict=True):
+            if not torch.equal(out.view(torch.uint8), tensor.view(torch.uint8)):
+                raise RuntimeError(f"{remote.name} store round trip changed the data")
         for i in range(chunks):
             await raw.delete(names[i])
-            await tier.backend.delete(keys[i])
+            await tier.backend.delete(get_keys[i])
     total = sum(len(c) for c in containers)  # the bytes on the wire, on both sides
     return [
-        RemoteRow(name, f"{remote.name} put", total, put_time, put_base, raw.label[0]),
-        RemoteRow(name, f"{remote.name} get", total, get_time, get_base, raw.label[1]),
+        RemoteRow(name, f"{remote.name} put+flush", total, put_time, put_base, raw.label[0]),
+        InternalRow(name, f"{remote.name} put, tier only (internal)", total, tier_time, put_base, raw.label[0]),
+        RemoteRow(name, f"{remote.name} get_many", total, get_time, get_base, raw.label[1]),
     ]
+
+
+async def _best_of(runs: Sequence[Callable[[], Awaitable[float]]], repeats: int) -> list[float]:
+    """Each run's best time, the runs taken in turn ``repeats`` times so that all see the same machine noise."""
+    best = [math.inf] * len(runs)
+    for _ in range(repeats):
+        for index, run in enumerate(runs):
+            best[index] = min(best[index], await run())
+    return best
 
 
 def real_chunks(sample: torch.Tensor, layout: KVLayout) -> list[torch.Tensor]:
@@ -369,14 +493,14 @@ async def run_remote(
     concurrency: int = CONCURRENCY,
     codec_mib: int = CODEC_MIB,
 ) -> RemoteResults:
-    """Identity rows for every remote and layout, then codec rows on real KV when a sample is given."""
+    """Public-API rows for every remote and layout, then codec rows on real KV when a sample is given."""
     results = RemoteResults()
     with ThreadPoolExecutor(concurrency, thread_name_prefix="kvstore-bench") as executor:
         for remote in remotes:
             for name in layouts:
                 layout = LAYOUTS[name]
                 chunks = max(concurrency, -(-(mib << 20) // layout.chunk_nbytes))
-                results.rows += await bench_identity(remote, name, layout, chunks, repeats, concurrency, executor)
+                results.rows += await bench_api(remote, name, layout, chunks, repeats, concurrency)
             if sample is not None:
                 results.codec_rows += await bench_codecs_remote(
                     remote, sample, min(mib, codec_mib), repeats, concurrency, executor
