@@ -175,6 +175,7 @@ async def test_layers_from_remote_tiers(tmp_path, request, monkeypatch, remote):
         async for layer, kv in store.prefetch(keys, depth=3):
             assert same(kv, expected_layer(chunks, layer))
         assert store.stats()[remote]["hits"] == 3
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:  # a fresh store: the first one promoted them into DRAM
         before = store.stats()[remote]["requests"]
         async for layer, kv in store.prefetch(keys, depth=LAYOUT.num_layers):
             assert same(kv, expected_layer(chunks, layer))

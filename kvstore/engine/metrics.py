@@ -52,6 +52,14 @@ COUNTERS = {
     ("store", "misses"): ("kvstore_misses", "chunks get()/get_many() found in no tier"),
     ("store", "streamed"): ("kvstore_streamed", "chunks opened by layer streams (prefetch), from any tier"),
     ("store", "streamed_from_dram"): ("kvstore_streamed_from_dram", "chunks layer streams found in DRAM"),
+    ("store", "stream_promoted"): (
+        "kvstore_stream_promoted",
+        "chunks layer streams read from a tier and put in DRAM (and queued for the faster tiers)",
+    ),
+    ("store", "stream_promotions_dropped"): (
+        "kvstore_stream_promotions_dropped",
+        "stream promotions dropped: no DRAM slot free (per chunk), a faster tier's queue full (per tier)",
+    ),
     ("tier", "hits"): ("kvstore_tier_hits", "chunks read from the tier"),
     ("tier", "misses"): ("kvstore_tier_misses", "chunk reads the tier did not hold"),
     ("tier", "bytes_read"): ("kvstore_tier_read_bytes", "stored bytes read from the tier"),
