@@ -95,6 +95,10 @@ class LayerStream:
         self.outcomes: list[torch.Tensor | BaseException | None] = [None] * layout.num_layers
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
+        # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
+        self._thread_requested = 0
+        self._thread_lock = threading.Lock()  # two engine threads asking at once never lower it
+        self._parked = False  # the producer waits for a request: only then must a thread wake the loop
         self._closing = False
         self._slots: list[int | None] = []
         self._readers: list[LayerReader | None] = []
@@ -117,6 +121,25 @@ class LayerStream:
         if index + 1 > self._requested:
             self._requested = index + 1
             self._wanted.set()
+
+    def request_from_thread(self, index: int) -> bool:
+        """``request`` from another thread, without touching the loop; True if the caller must wake it.
+
+        Waking the loop (``call_soon_threadsafe``) costs the engine thread a GIL hand-over, up to a
+        switch interval (5 ms) while the loop thread runs, on every layer: most of what a stream
+        failed to hide. So an engine thread only records its request, and wakes the loop (posting
+        ``request(index)``) only when the producer is parked waiting for one. The two sides write
+        their flag before reading the other's (the producer ``_parked``, then the requests; a
+        thread the requests, then ``_parked``), so one of them always sees the other: a request
+        is never missed, at worst the loop is woken once for nothing.
+        """
+        with self._thread_lock:
+            self._thread_requested = max(self._thread_requested, index + 1)
+        return self._parked
+
+    def _allowed(self) -> int:
+        """Layers the producer may have fetched: every request so far, plus ``depth``."""
+        return max(self._requested, self._thread_requested) + self._depth
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor]]:
         """Every layer in order; leaving the loop early closes the stream."""
@@ -159,15 +182,21 @@ class LayerStream:
             await self._open_sources()
             self._reserve_staging()
             for layer in range(self.num_layers):
-                while layer >= self._requested + self._depth:
+                while layer >= self._allowed():
                     if self._closing:
                         raise asyncio.CancelledError
                     self._wanted.clear()
-                    await self._wanted.wait()
+                    self._parked = True  # before reading the requests again: see request_from_thread
+                    try:
+                        if layer < self._allowed():
+                            break  # an engine thread asked meanwhile (and may not have seen us parked)
+                        await self._wanted.wait()
+                    finally:
+                        self._parked = False
                 self._arrive(layer, await self._fetch(layer))
                 if layer + 1 == self.num_layers:
                     self._promote()  # no await before it: a consumer closing the stream now cannot stop it
-                await asyncio.sleep(0)  # DRAM layers complete without awaiting: let waiters in between
+                await asyncio.sleep(0)  # let waiters in between layers
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -245,12 +274,12 @@ class LayerStream:
         layout, pool = self._sources.layout, self._sources.pool
         out = self._outs[layer] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
         tokens = layout.chunk_tokens
-        reads, local = [], []
+        reads, local, copies = [], [], []
         chunks = zip(self._slots, self._readers, self._staging, strict=True)
         for index, (slot, reader, staging) in enumerate(chunks):
             target = out[:, index * tokens : (index + 1) * tokens]
             if slot is not None:
-                copy_between(target, pool.tensor(slot)[layer])
+                copies.append((target, pool.tensor(slot)[layer]))
                 continue
             assert reader is not None
             stage = pool.tensor(staging)[layer] if staging is not None else None
@@ -258,15 +287,24 @@ class LayerStream:
                 local.append((reader, target, stage))
             else:
                 reads.append(self._read(reader, layer, target, stage, index))
-        if local:  # all file reads of this layer in one thread call: a thread hop costs ~0.1 ms here
-            reads.append(self._read_local(local, layer))
+        if local or copies:  # all DRAM copies and file reads of this layer in one thread call
+            reads.append(self._read_local(local, copies, layer))
         errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
         if errors:  # the first chunk that failed, whichever failed first in time
             raise min(errors, key=lambda e: e.chunk if isinstance(e, PrefetchError) and e.chunk is not None else -1)
         return out
 
-    async def _read_local(self, items: list[_LocalRead], layer: int) -> None:
-        outcomes = await in_thread(self._sources.executor, _read_files, items, layer, self._sources.layout)
+    async def _read_local(
+        self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int
+    ) -> None:
+        """DRAM copies (``(target, source)``) and file reads of one layer, in one worker-thread call.
+
+        In a worker, not on the loop: the loop thread then sits in ``select`` while the bytes move,
+        and an engine thread woken by the previous layer gets the GIL at once instead of waiting
+        up to a switch interval (5 ms) for a loop thread that copies layer after layer.
+        """
+        executor, layout = self._sources.executor, self._sources.layout
+        outcomes = await in_thread(executor, _read_files, items, copies, layer, layout)
         failed = None
         for (reader, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
@@ -324,8 +362,12 @@ def _contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KV
     return target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
 
 
-def _read_files(items: list[_LocalRead], layer: int, layout: KVLayout) -> list[Exception | None]:
-    """One layer of several open files (in a worker thread); per file, the error or None."""
+def _read_files(
+    items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int, layout: KVLayout
+) -> list[Exception | None]:
+    """One layer of DRAM chunks and several open files (in a worker thread); per file, the error or None."""
+    for target, source in copies:
+        copy_between(target, source)
     outcomes: list[Exception | None] = []
     for reader, target, stage in items:
         contiguous = _contiguous_for(target, stage, layout)
