@@ -323,8 +323,9 @@ class LayerStream:
         contiguous = _contiguous_for(target, stage, self._sources.layout)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
         try:
-            # Later layers ride along in the same request, as far as the stream may run ahead.
-            ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
+            # Later layers ride along in the same request, and the next request starts early,
+            # as far as the stream may run ahead.
+            ahead = min(self._depth, self.num_layers) - 1
             with reader.tier.breaker.guard():  # open: this layer fails at once, without a wait
                 async with asyncio.timeout(self._sources.read_timeout):
                     ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
