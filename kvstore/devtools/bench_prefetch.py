@@ -146,9 +146,8 @@ def _measure(store: SyncKVStore, keys: list[str], tier: str, repeats: int, depth
                 store.store.pool.discard(key)
         return _engine_pass(store, keys, compute, depth)
 
-    estimate = min(one_pass(0.0)[1] for _ in range(2)) / layers
-    computes = [estimate * factor for factor in COMPUTE_FACTORS]
-    fetch_passes: list[tuple[float, float, float]] = []
+    fetch_passes = [one_pass(0.0) for _ in range(2)]  # f is the best of every compute-free pass: c >= k * f
+    computes = [min(total for _, total, _ in fetch_passes) / layers * factor for factor in COMPUTE_FACTORS]
     compute_passes: list[list[tuple[float, float, float]]] = [[] for _ in computes]
     for _ in range(repeats):
         fetch_passes.append(one_pass(0.0))
