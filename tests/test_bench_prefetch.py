@@ -18,6 +18,8 @@ def test_overlap_rows_for_local_tiers():
         assert row.fetch_per_layer > 0 and row.ttfl > 0 and row.total >= row.ttfl
         assert row.compute_per_layer >= row.fetch_per_layer * 0.9  # it really computed (slept) c = k * f
         assert math.isfinite(row.efficiency) and row.efficiency <= 1.0
+        if row.ttfl < row.layers * row.fetch_per_layer:  # (a noisy pass could wait longer for layer 0 alone)
+            assert row.efficiency_after_first <= 1.0  # T >= time to layer 0 + the compute after it
 
 
 def test_unknown_tier_is_rejected():

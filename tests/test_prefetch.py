@@ -175,6 +175,7 @@ async def test_layers_from_remote_tiers(tmp_path, request, monkeypatch, remote):
         async for layer, kv in store.prefetch(keys, depth=3):
             assert same(kv, expected_layer(chunks, layer))
         assert store.stats()[remote]["hits"] == 3
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:  # a fresh store: the first one promoted them into DRAM
         before = store.stats()[remote]["requests"]
         async for layer, kv in store.prefetch(keys, depth=LAYOUT.num_layers):
             assert same(kv, expected_layer(chunks, layer))
@@ -228,3 +229,38 @@ async def test_layers_land_in_caller_views_with_other_strides(tmp_path):
             assert kv is outs[layer] and same(outs[layer], expected_layer(chunks, layer))
             assert not buffers[layer][:, 0, :, 3 * LAYOUT.chunk_tokens :].view(torch.int16).any()
         assert store.stats()["store"]["streamed"] == 3 and store.stats()["store"]["streamed_from_dram"] == 1
+
+
+async def test_an_s3_object_gone_mid_stream_fails_the_layers_read_ahead(tmp_path, moto_server, monkeypatch):
+    """Remote readers request the next span early (read-ahead); one that finds the object gone fails
+    the stream with PrefetchError at the first layer it carried, and closing leaves no request behind."""
+    for name, value in moto_server.credentials_env().items():
+        monkeypatch.setenv(name, value)
+    section = {"s3": {"enabled": True, "bucket": TEST_BUCKET, "prefix": f"ahead-{uuid.uuid4().hex[:8]}"}}
+    cfg = config(tmp_path, disk={"enabled": False}, **section)
+    keys, chunks = await fill(cfg, 1)
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:
+        async with store.prefetch(keys, depth=2) as stream:
+            assert same(await stream.layer(0), expected_layer(chunks, 0))
+            # Layers 0-2 may be in hand by now, 3-4 in flight; layer 5's request starts only once layer 2
+            # is asked for, so it finds the object gone whatever the timing.
+            s3 = store.tiers[0].backend
+            await s3.delete(keys[0])
+            failed = None
+            for layer in range(1, LAYOUT.num_layers):
+                try:
+                    assert same(await stream.layer(layer), expected_layer(chunks, layer))
+                except PrefetchError:
+                    failed = layer
+                    break
+            assert failed is not None, "a layer requested after the object was gone cannot arrive"
+
+        def reading_ahead() -> list[asyncio.Task]:
+            return [task for task in asyncio.all_tasks() if task.get_name() == "kvstore-read-ahead"]
+
+        for _ in range(100):  # a cancelled request ends within a few loop turns
+            if not reading_ahead():
+                break
+            await asyncio.sleep(0.01)
+        assert not reading_ahead()
+        assert store.pool.stats()["referenced"] == 0

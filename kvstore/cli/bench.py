@@ -96,7 +96,15 @@ def codec_table(title: str, rows: Sequence[CodecRow], remote: bool) -> Table:
 def overlap_table(rows: Sequence[OverlapRow], target: float) -> Table:
     """Layer streams: fetch and compute per layer, time to layer 0, and how much fetch the compute hid."""
     title = "layer streams: 8 SmolLM2 chunks (2K tokens), simulated compute c per layer, depth 4"
-    columns = ("tier", "fetch f / layer", "compute c / layer", "time to layer 0", "total", "fetch hidden")
+    columns = (
+        "tier",
+        "fetch f / layer",
+        "compute c / layer",
+        "time to layer 0",
+        "total",
+        "fetch hidden",
+        "after layer 0",
+    )
     table = make_table(title, columns)
     for row in rows:
         verdict = "met" if row.compute_per_layer < row.fetch_per_layer or row.efficiency >= target else "missed"
@@ -107,6 +115,7 @@ def overlap_table(rows: Sequence[OverlapRow], target: float) -> Table:
             f"{row.ttfl * 1e3:.2f} ms",
             f"{row.total * 1e3:.1f} ms",
             f"{row.efficiency:.0%} ({verdict})",
+            f"{row.efficiency_after_first:.0%}",
         )
     return table
 

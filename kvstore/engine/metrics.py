@@ -57,6 +57,14 @@ COUNTERS = {
         "kvstore_admissions_dropped",
         "chunks get_many read into the caller's buffers and did not admit to DRAM (no slot free, or a failed read)",
     ),
+    ("store", "stream_promoted"): (
+        "kvstore_stream_promoted",
+        "chunks layer streams read from a tier and put in DRAM (and queued for the faster tiers)",
+    ),
+    ("store", "stream_promotions_dropped"): (
+        "kvstore_stream_promotions_dropped",
+        "stream promotions dropped: no DRAM slot free (per chunk), a faster tier's queue full (per tier)",
+    ),
     ("tier", "hits"): ("kvstore_tier_hits", "chunks read from the tier"),
     ("tier", "misses"): ("kvstore_tier_misses", "chunk reads the tier did not hold"),
     ("tier", "bytes_read"): ("kvstore_tier_read_bytes", "stored bytes read from the tier"),

@@ -10,6 +10,13 @@ If a layer cannot be loaded (a chunk vanished, a segment is corrupt, a tier time
 stream raises :class:`PrefetchError` for that layer and every later one: the engine keeps the
 layers it already has or, simpler, recomputes the prefix. Nothing unverified reaches it.
 
+A chunk the stream reads from a secondary tier is promoted: its layers are read into a DRAM
+slot reserved for it when the stream opens (the contiguous staging every read needs anyway,
+since a chunk's share of a layer is a strided slice of the engine's tensor), and once every
+layer of it has arrived verified, the store publishes the slot and queues it for the faster
+tiers it skipped (``StreamSources.promote``). Nothing of a chunk whose stream failed or closed
+early is promoted; with no slot free, the promotion is dropped and counted.
+
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
 which left a producer waiting forever for a consumer that was gone).
@@ -30,7 +37,7 @@ from kvstore.engine.dram import SlabPool
 from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.storage.layer_reader import LayerReader
+from kvstore.storage.layer_reader import LayerReader, ReaderTier
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
@@ -54,6 +61,10 @@ class StreamSources:
     read_timeout: float  # seconds a remote tier may take per request (timeouts.get)
     opened: Callable[[Sequence[ChunkKey], Sequence[int | None]], None]
     close_timeout: float = 10.0  # seconds close() waits for the producer to stop (timeouts.close)
+    # A chunk read whole and verified from ``tier`` into ``slot`` (None: no DRAM slot was free for
+    # it): the store publishes it and queues it for the faster tiers, or counts the drop. Called on
+    # the loop, never awaited; the stream keeps its own reference to the slot and releases it.
+    promote: Callable[[ChunkKey, ReaderTier, int | None], None] | None = None
 
 
 class LayerStream:
@@ -84,9 +95,14 @@ class LayerStream:
         self.outcomes: list[torch.Tensor | BaseException | None] = [None] * layout.num_layers
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
+        # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
+        self._thread_requested = 0
+        self._thread_lock = threading.Lock()  # two engine threads asking at once never lower it
+        self._parked = False  # the producer waits for a request: only then must a thread wake the loop
         self._closing = False
         self._slots: list[int | None] = []
         self._readers: list[LayerReader | None] = []
+        self._staging: list[int | None] = []  # per chunk read from a tier: its DRAM slot for promotion
         self._task = asyncio.create_task(self._produce(), name="kvstore-prefetch")
 
     @property
@@ -105,6 +121,25 @@ class LayerStream:
         if index + 1 > self._requested:
             self._requested = index + 1
             self._wanted.set()
+
+    def request_from_thread(self, index: int) -> bool:
+        """``request`` from another thread, without touching the loop; True if the caller must wake it.
+
+        Waking the loop (``call_soon_threadsafe``) costs the engine thread a GIL hand-over, up to a
+        switch interval (5 ms) while the loop thread runs, on every layer: most of what a stream
+        failed to hide. So an engine thread only records its request, and wakes the loop (posting
+        ``request(index)``) only when the producer is parked waiting for one. The two sides write
+        their flag before reading the other's (the producer ``_parked``, then the requests; a
+        thread the requests, then ``_parked``), so one of them always sees the other: a request
+        is never missed, at worst the loop is woken once for nothing.
+        """
+        with self._thread_lock:
+            self._thread_requested = max(self._thread_requested, index + 1)
+        return self._parked
+
+    def _allowed(self) -> int:
+        """Layers the producer may have fetched: every request so far, plus ``depth``."""
+        return max(self._requested, self._thread_requested) + self._depth
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor]]:
         """Every layer in order; leaving the loop early closes the stream."""
@@ -145,14 +180,23 @@ class LayerStream:
         layer = 0
         try:
             await self._open_sources()
+            self._reserve_staging()
             for layer in range(self.num_layers):
-                while layer >= self._requested + self._depth:
+                while layer >= self._allowed():
                     if self._closing:
                         raise asyncio.CancelledError
                     self._wanted.clear()
-                    await self._wanted.wait()
+                    self._parked = True  # before reading the requests again: see request_from_thread
+                    try:
+                        if layer < self._allowed():
+                            break  # an engine thread asked meanwhile (and may not have seen us parked)
+                        await self._wanted.wait()
+                    finally:
+                        self._parked = False
                 self._arrive(layer, await self._fetch(layer))
-                await asyncio.sleep(0)  # DRAM layers complete without awaiting: let waiters in between
+                if layer + 1 == self.num_layers:
+                    self._promote()  # no await before it: a consumer closing the stream now cannot stop it
+                await asyncio.sleep(0)  # let waiters in between layers
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -204,32 +248,65 @@ class LayerStream:
                 f"chunk {missing[0]} ({self._keys[missing[0]][:16]}...) is in no tier", chunk=missing[0]
             )
 
+    def _reserve_staging(self) -> None:
+        """A DRAM slot per chunk read from a tier, where its layers are assembled for promotion (None if none free)."""
+        pool = self._sources.pool
+        self._staging = [None] * len(self._keys)
+        if self._sources.promote is None:
+            return
+        for index, reader in enumerate(self._readers):
+            if reader is not None:
+                self._staging[index] = slot = pool.reserve()
+                if slot is None:
+                    return  # every slot is referenced: the rest is dropped too (counted when promoted)
+
+    def _promote(self) -> None:
+        """Every layer arrived: hand each chunk read from a tier to the store (its slot, or None: dropped)."""
+        promote = self._sources.promote
+        if promote is None:
+            return
+        for key, reader, slot in zip(self._keys, self._readers, self._staging, strict=True):
+            if reader is not None:
+                promote(key, reader.tier, slot)
+
     async def _fetch(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` of every chunk, concatenated along the token axis."""
         layout, pool = self._sources.layout, self._sources.pool
         out = self._outs[layer] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
         tokens = layout.chunk_tokens
-        reads, local = [], []
-        for index, (slot, reader) in enumerate(zip(self._slots, self._readers, strict=True)):
+        reads, local, copies = [], [], []
+        chunks = zip(self._slots, self._readers, self._staging, strict=True)
+        for index, (slot, reader, staging) in enumerate(chunks):
             target = out[:, index * tokens : (index + 1) * tokens]
             if slot is not None:
-                copy_between(target, pool.tensor(slot)[layer])
-            elif reader is not None and reader.is_local:
-                local.append((reader, target))
+                copies.append((target, pool.tensor(slot)[layer]))
+                continue
+            assert reader is not None
+            stage = pool.tensor(staging)[layer] if staging is not None else None
+            if reader.is_local:
+                local.append((reader, target, stage))
             else:
-                assert reader is not None
-                reads.append(self._read(reader, layer, target, index))
-        if local:  # all file reads of this layer in one thread call: a thread hop costs ~0.1 ms here
-            reads.append(self._read_local(local, layer))
+                reads.append(self._read(reader, layer, target, stage, index))
+        if local or copies:  # all DRAM copies and file reads of this layer in one thread call
+            reads.append(self._read_local(local, copies, layer))
         errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
         if errors:  # the first chunk that failed, whichever failed first in time
             raise min(errors, key=lambda e: e.chunk if isinstance(e, PrefetchError) and e.chunk is not None else -1)
         return out
 
-    async def _read_local(self, items: list[tuple[LayerReader, torch.Tensor]], layer: int) -> None:
-        outcomes = await in_thread(self._sources.executor, _read_files, items, layer, self._sources.layout)
+    async def _read_local(
+        self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int
+    ) -> None:
+        """DRAM copies (``(target, source)``) and file reads of one layer, in one worker-thread call.
+
+        In a worker, not on the loop: the loop thread then sits in ``select`` while the bytes move,
+        and an engine thread woken by the previous layer gets the GIL at once instead of waiting
+        up to a switch interval (5 ms) for a loop thread that copies layer after layer.
+        """
+        executor, layout = self._sources.executor, self._sources.layout
+        outcomes = await in_thread(executor, _read_files, items, copies, layer, layout)
         failed = None
-        for (reader, _), outcome in zip(items, outcomes, strict=True):
+        for (reader, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
                 reader.count(layer)
             else:
@@ -239,13 +316,16 @@ class LayerStream:
             chunk = next(index for index, held in enumerate(self._readers) if held is failed)
             raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk", chunk=chunk)
 
-    async def _read(self, reader: LayerReader, layer: int, target: torch.Tensor, chunk: int) -> None:
-        layout = self._sources.layout
-        contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
+    async def _read(
+        self, reader: LayerReader, layer: int, target: torch.Tensor, stage: torch.Tensor | None, chunk: int
+    ) -> None:
+        """One layer of a remote chunk, verified, into ``stage`` (its promotion slot) if given, and ``target``."""
+        contiguous = _contiguous_for(target, stage, self._sources.layout)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
         try:
-            # Later layers ride along in the same request, as far as the stream may run ahead.
-            ahead = reader.next_span(layer, min(self._depth, self.num_layers) - 1)
+            # Later layers ride along in the same request, and the next request starts early,
+            # as far as the stream may run ahead.
+            ahead = min(self._depth, self.num_layers) - 1
             with reader.tier.breaker.guard():  # open: this layer fails at once, without a wait
                 async with asyncio.timeout(self._sources.read_timeout):
                     ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
@@ -264,20 +344,34 @@ class LayerStream:
             copy_between(target, contiguous)
 
     def _release(self) -> None:
-        for slot in self._slots:
+        for slot in self._slots + self._staging:
             if slot is not None:
                 self._sources.pool.release(slot)
         for reader in self._readers:
             if reader is not None:
                 reader.close()
-        self._slots, self._readers = [], []
+        self._slots, self._readers, self._staging = [], [], []
 
 
-def _read_files(items: list[tuple[LayerReader, torch.Tensor]], layer: int, layout: KVLayout) -> list[Exception | None]:
-    """One layer of several open files (in a worker thread); per file, the error or None."""
+_LocalRead = tuple[LayerReader, torch.Tensor, "torch.Tensor | None"]  # reader, target, promotion slot's layer
+
+
+def _contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KVLayout) -> torch.Tensor:
+    """Where a layer is read to: the promotion slot's layer, else ``target`` itself if contiguous, else a temporary."""
+    if stage is not None:
+        return stage
+    return target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
+
+
+def _read_files(
+    items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int, layout: KVLayout
+) -> list[Exception | None]:
+    """One layer of DRAM chunks and several open files (in a worker thread); per file, the error or None."""
+    for target, source in copies:
+        copy_between(target, source)
     outcomes: list[Exception | None] = []
-    for reader, target in items:
-        contiguous = target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
+    for reader, target, stage in items:
+        contiguous = _contiguous_for(target, stage, layout)
         try:
             reader.read_local(layer, tensor_bytes(contiguous))
         except Exception as exc:

@@ -46,6 +46,7 @@ from kvstore.sizing.advice import Advice, CostModel, Policy, advise
 from kvstore.sizing.mrc import ReuseProfile
 from kvstore.storage.breaker import CircuitBreaker
 from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.layer_reader import ReaderTier
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
@@ -94,6 +95,8 @@ class KVStore:
             "misses": 0,
             "streamed": 0,  # chunks opened by layer streams (prefetch), from any tier
             "streamed_from_dram": 0,
+            "stream_promoted": 0,  # chunks streams read from a tier and put in DRAM (and queued for faster tiers)
+            "stream_promotions_dropped": 0,  # per chunk with no DRAM slot free, per faster tier whose queue was full
         }
         self._stream_sources = StreamSources(
             layout,
@@ -103,6 +106,7 @@ class KVStore:
             config.timeouts.get,
             self._stream_opened,
             config.timeouts.close,
+            self._stream_promote,
         )
         self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
@@ -408,6 +412,25 @@ class KVStore:
         self._release_held_back(keys, slots)
         self._counters["streamed"] += len(keys)
         self._counters["streamed_from_dram"] += sum(slot is not None for slot in slots)
+
+    def _stream_promote(self, key: ChunkKey, tier: ReaderTier, slot: int | None) -> None:
+        """A layer stream read ``key`` whole and verified from ``tier`` into ``slot``: into DRAM and the faster tiers.
+
+        As ``get_many`` promotes (under either write policy: a chunk read from a tier was written
+        there, so this is at least its second sighting). ``slot`` None: no DRAM slot was free, the
+        promotion is dropped and counted; so is each faster tier's write whose queue is full.
+        Never blocks; the stream keeps (and later releases) its reference to the slot.
+        """
+        if slot is None or self._state != "open":
+            self._counters["stream_promotions_dropped"] += 1
+            return
+        if not self.pool.publish(slot, key):
+            return  # a put (or another stream) of the same key landed meanwhile: DRAM has it
+        self._counters["stream_promoted"] += 1
+        faster = self.tiers[: next(i for i, held in enumerate(self.tiers) if held is tier)]
+        drops = sum(held.stats.drops for held in faster)
+        self._enqueue(faster, key, slot)
+        self._counters["stream_promotions_dropped"] += sum(held.stats.drops for held in faster) - drops
 
     # -- adaptive sizing (what auto mode may read and change: kvstore.sizing.adaptive.SizingTarget) ----
 
