@@ -52,6 +52,7 @@ METRICS = (  # counters summed over their labels; the connector's are the "exter
     "vllm:external_prefix_cache_queries",
     "vllm:external_prefix_cache_hits",
 )
+BY_SOURCE = "vllm:prompt_tokens_cached_by_source"  # prefix hit tokens by the tier that supplied them
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -113,9 +114,7 @@ def make_model(path: Path, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    words = [
-        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(3000)
-    ]
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(3000)]
     corpus = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(3000)]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -134,11 +133,11 @@ def make_model(path: Path, layers: int) -> Path:
     config = LlamaConfig(
         vocab_size=len(fast), hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=fast.bos_token_id,
+        tie_word_embeddings=True, bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, dtype="float32",
     )  # fmt: skip
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)  # float32: the config's dtype
     return path
 
 
@@ -229,7 +228,8 @@ def bench_command(python: Path, model: Path, port: int, workload: Workload, resu
 
 
 def parse_metrics(text: str, names: Sequence[str] = METRICS) -> dict[str, float]:
-    """Prometheus text -> each counter of ``names`` summed over its label sets (``_total`` accepted).
+    """Prometheus text -> each counter of ``names`` summed over its label sets (``_total`` accepted),
+    and ``vllm:prompt_tokens_cached_by_source`` per source, as ``<name>:<source>``.
 
     Absent counters are absent from the result (a configuration without a connector has no
     external counters).
@@ -239,10 +239,21 @@ def parse_metrics(text: str, names: Sequence[str] = METRICS) -> dict[str, float]
         if not line or line.startswith("#"):
             continue
         metric, _, value = line.rpartition(" ")
-        base = metric.split("{", 1)[0].removesuffix("_total")
-        if base in names:
-            found[base] = found.get(base, 0.0) + float(value)
+        base, _, labels = metric.partition("{")
+        base = base.removesuffix("_total")
+        if base == BY_SOURCE:
+            source = next((v for k, _, v in _labels(labels) if k == "source"), "?")
+            base = f"{base}:{source}"
+        elif base not in names:
+            continue
+        found[base] = found.get(base, 0.0) + float(value)
     return found
+
+
+def _labels(text: str) -> list[tuple[str, str, str]]:
+    """``a="x",b="y"}`` -> [(a, =, x), (b, =, y)] (vLLM's label values hold no commas or quotes)."""
+    pairs = [item.partition("=") for item in text.rstrip("}").split(",") if "=" in item]
+    return [(k.strip(), eq, v.strip().strip('"')) for k, eq, v in pairs]
 
 
 def summarize(name: str, bench: dict[str, Any], metrics: dict[str, float], seconds: float) -> Result:
@@ -259,26 +270,43 @@ def summarize(name: str, bench: dict[str, Any], metrics: dict[str, float], secon
     )
 
 
+def _hits(metrics: dict[str, float], kind: str) -> str:
+    """``hits / queries`` of vLLM's prefix cache (``kind`` "") or the connector's ("external_")."""
+    hits, queries = metrics.get(f"vllm:{kind}prefix_cache_hits"), metrics.get(f"vllm:{kind}prefix_cache_queries")
+    return "n/a" if hits is None or queries is None else f"{hits:.0f} / {queries:.0f}"
+
+
+def _by_source(metrics: dict[str, float]) -> str:
+    """Prefix hits that did not come from the engine's own blocks, by the tier that supplied them."""
+    sources = [
+        f"{key.rpartition(':')[2]} {value:.0f}"
+        for key, value in metrics.items()
+        if key.startswith(BY_SOURCE + ":") and not key.endswith(":device") and value
+    ]
+    return ", ".join(sources) or "-"
+
+
 def markdown_table(results: Sequence[Result]) -> str:
-    """The rows as a markdown table; hits are tokens (vLLM counts prefix cache hits in tokens)."""
+    """The rows as a markdown table; hits are tokens (vLLM counts prefix cache hits in tokens).
+
+    Ratios are against the ``vllm`` row of the same run (vLLM alone), when there is one.
+    """
+    base = next((r for r in results if r.name == "vllm" and r.error is None), None)
     lines = [
-        "| configuration | TTFT p50 ms | TTFT p99 ms | output tok/s | req/s | vLLM prefix hits / queries (tokens) "
-        "| external hits / queries (tokens) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| configuration | TTFT p50 ms | TTFT p99 ms | output tok/s | req/s | vs vLLM alone (TTFT p50, req/s) "
+        "| engine prefix hits / queries | external hits / queries | external hits by source |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in results:
-        if r.error is not None:
-            lines.append(f"| {r.name} | failed: {r.error} | | | | | |")
+        if r.error is not None or r.ttft_p50_ms is None or r.requests_s is None:
+            lines.append(f"| {r.name} | failed: {r.error} | | | | | | | |")
             continue
-        m = r.metrics
-
-        def pair(kind: str) -> str:
-            hits, queries = m.get(f"vllm:{kind}prefix_cache_hits"), m.get(f"vllm:{kind}prefix_cache_queries")
-            return "n/a" if hits is None or queries is None else f"{hits:.0f} / {queries:.0f}"
-
+        ratio = ""
+        if base is not None and base.ttft_p50_ms and base.requests_s:
+            ratio = f"{r.ttft_p50_ms / base.ttft_p50_ms:.2f}x, {r.requests_s / base.requests_s:.2f}x"
         lines.append(
             f"| {r.name} | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.output_tok_s:.1f} | {r.requests_s:.2f} "
-            f"| {pair('')} | {pair('external_')} |"
+            f"| {ratio} | {_hits(r.metrics, '')} | {_hits(r.metrics, 'external_')} | {_by_source(r.metrics)} |"
         )
     return "\n".join(lines)
 
@@ -409,7 +437,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}: choose from {CONFIGURATIONS}")
     if args.num_prompts < args.num_prefixes:
-        parser.error("--num-prompts must be at least --num-prefixes (each prefix is used num_prompts // num_prefixes times)")
+        parser.error(
+            "--num-prompts must be at least --num-prefixes (each prefix is used num_prompts // num_prefixes times)"
+        )
     return args
 
 
