@@ -387,12 +387,15 @@ def run_configuration(
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
     }
+    phase = "vllm serve start"
     try:
         with server(serve_command(python, model, port, name, sizing, confdir), env, log) as process:
             wait_healthy(process, port, deadline, log)
+            phase = "warm-up"
             warm = {"model": "bench", "prompt": "warm up " * 40, "max_tokens": 4}
             _post(f"http://127.0.0.1:{port}/v1/completions", warm, timeout=max(1.0, deadline - time.monotonic()))
             result = confdir / "bench.json"
+            phase = "vllm bench serve"
             client = subprocess.run(
                 bench_command(python, model, port, workload, result), env=env, capture_output=True, text=True,
                 timeout=max(1.0, deadline - time.monotonic()),
@@ -400,12 +403,17 @@ def run_configuration(
             (confdir / "client.log").write_text(client.stdout + client.stderr)
             if client.returncode != 0:
                 raise RuntimeError(f"vllm bench serve failed ({client.returncode}): {client.stderr[-400:]}")
+            phase = "metrics scrape"
             metrics_text = _get(f"http://127.0.0.1:{port}/metrics")
             (confdir / "metrics.txt").write_text(metrics_text)
             bench = json.loads(result.read_text())
         return summarize(name, bench, parse_metrics(metrics_text), time.monotonic() - started)
-    except (OSError, RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as error:
-        return Result(name=name, seconds=time.monotonic() - started, error=str(error).replace("|", "/")[:400])
+    except subprocess.TimeoutExpired:
+        error = f"{phase} ran past the {limit:.0f} s limit of the configuration"
+        return Result(name=name, seconds=time.monotonic() - started, error=error)
+    except (OSError, RuntimeError, ValueError, KeyError) as error:
+        message = f"{phase}: {error}".replace("|", "/")[:400]
+        return Result(name=name, seconds=time.monotonic() - started, error=message)
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -427,7 +435,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-kv-mib", type=int, default=s.engine_kv_bytes // MiB, help="vLLM's own KV cache")
     parser.add_argument("--cpu-tier-mib", type=int, default=s.cpu_tier_bytes // MiB, help="native CPU tier")
     parser.add_argument("--kvstore-dram-mib", type=int, default=s.kvstore_dram_bytes // MiB, help="kvstore DRAM")
-    parser.add_argument("--limit", type=float, default=300.0, help="seconds per configuration, all included")
+    parser.add_argument("--limit", type=float, default=480.0, help="seconds per configuration, all included")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--model-dir", type=Path, default=ROOT / ".kvstore-demo", help="where the model is made")
     parser.add_argument("--workdir", type=Path, help="logs, metrics and chunks (default: a temporary folder)")
