@@ -453,6 +453,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, through server()'s cleanup: no server outlives the benchmark
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     workload = Workload(
         args.prefix_len, args.suffix_len, args.num_prefixes, args.output_len, args.num_prompts,
         args.max_concurrency, args.request_rate, args.seed,
