@@ -15,7 +15,8 @@ The prefixes together hold several times the engine's KV cache, more than the na
 and more than kvstore's DRAM tier, so that vLLM's own cache evicts them before they come back and
 only a lower tier can answer. Each configuration starts its server (a process group of its own,
 killed on exit even on error), waits for ``/health``, warms up with one unrelated prompt, runs the
-client, scrapes ``/metrics`` and stops the server, all within a time limit.
+client, scrapes ``/metrics`` and stops the server, all within a time limit. With the defaults the
+five configurations take about 15 minutes on a 2-core machine (the README's "Serving benchmark").
 
 The model is made here: a Llama of SmolLM2-135M's shape (hidden 576, 9 heads, 3 KV heads of 64)
 with fewer layers and random float32 weights, and a byte-level BPE tokenizer trained here (vLLM
@@ -144,7 +145,8 @@ def make_model(path: Path, layers: int) -> Path:
 # -- what each configuration runs ----------------------------------------------------------------
 
 
-def kvstore_config(sizing: Sizing, chunks: Path, dram_bytes: int) -> dict[str, Any]:
+def kvstore_config(chunks: Path, dram_bytes: int) -> dict[str, Any]:
+    """kvstore's StoreConfig as a dict: a DRAM tier of ``dram_bytes`` over an unbounded disk tier."""
     return {"dram": {"capacity": f"{dram_bytes // MiB}MiB"}, "disk": {"path": str(chunks)}}
 
 
@@ -161,7 +163,7 @@ def transfer_config(name: str, sizing: Sizing, workdir: Path) -> dict[str, Any] 
             "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "kvstore_config": kvstore_config(sizing, workdir / "chunks", sizing.kvstore_dram_bytes),
+                "kvstore_config": kvstore_config(workdir / "chunks", sizing.kvstore_dram_bytes),
             },
         }  # fmt: skip
     if name == "native-cpu":
@@ -169,7 +171,7 @@ def transfer_config(name: str, sizing: Sizing, workdir: Path) -> dict[str, Any] 
     if name == "tier":
         tier = {
             "type": "KVStoreTier", "module_path": "kvstore.connectors.vllm",
-            "kvstore_config": kvstore_config(sizing, workdir / "chunks", 16 * MiB),
+            "kvstore_config": kvstore_config(workdir / "chunks", 16 * MiB),
         }  # fmt: skip
         extra = {**native_cpu, "secondary_tiers": [tier]}
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
@@ -242,18 +244,17 @@ def parse_metrics(text: str, names: Sequence[str] = METRICS) -> dict[str, float]
         base, _, labels = metric.partition("{")
         base = base.removesuffix("_total")
         if base == BY_SOURCE:
-            source = next((v for k, _, v in _labels(labels) if k == "source"), "?")
-            base = f"{base}:{source}"
+            base = f"{base}:{_labels(labels).get('source', '?')}"
         elif base not in names:
             continue
         found[base] = found.get(base, 0.0) + float(value)
     return found
 
 
-def _labels(text: str) -> list[tuple[str, str, str]]:
-    """``a="x",b="y"}`` -> [(a, =, x), (b, =, y)] (vLLM's label values hold no commas or quotes)."""
+def _labels(text: str) -> dict[str, str]:
+    """``a="x",b="y"}`` -> {a: x, b: y} (the label values read here hold no commas or quotes)."""
     pairs = [item.partition("=") for item in text.rstrip("}").split(",") if "=" in item]
-    return [(k.strip(), eq, v.strip().strip('"')) for k, eq, v in pairs]
+    return {key.strip(): value.strip().strip('"') for key, _, value in pairs}
 
 
 def summarize(name: str, bench: dict[str, Any], metrics: dict[str, float], seconds: float) -> Result:
