@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from support import start_server
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
 from kvstore.backends.base import ByteRange, ObjectRead
 from kvstore.backends.disk import DiskBackend
+from kvstore.backends.redis import RedisBackend
 from kvstore.codecs import make_codec
 from kvstore.devtools.servers import RedisServer
 from kvstore.errors import PrefetchError
@@ -342,3 +344,27 @@ def test_an_engine_threads_stream_is_closed_with_its_store() -> None:
         stream.wait_layer(LAYOUT.num_layers - 1, timeout=10)  # depth 1: never fetched
     stream.close()
     assert store.store.pool.stats()["referenced"] == 0
+
+
+async def test_a_big_set_to_a_frozen_redis_costs_one_timeout_not_a_polite_close() -> None:
+    """A 64 MiB SET fills the socket, the server stopped (SIGSTOP): the send times out and the
+    half-sent connection is dropped at once. Before, closing it waited to flush into the frozen
+    server for up to ``connect_timeout`` more, past the call's deadline."""
+    server = start_server(RedisServer())
+    try:
+        backend = RedisBackend(server.url, connect_timeout=2.0, socket_timeout=0.5)
+        await backend.open()
+        await backend.set("ab" * 16, [b"warm"])  # a pooled connection, made while the server answers
+        parts = [memoryview(bytearray(16 << 20)) for _ in range(4)]
+        server.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(RedisTimeoutError):
+                await backend.set("cd" * 16, parts)
+            # A hang guard: one operation_timeout (2.75 s) plus slack; the polite close took 2 s more.
+            assert time.monotonic() - started < backend.operation_timeout + 1.0
+        finally:
+            server.resume()
+        await backend.close()
+    finally:
+        server.close()

@@ -520,11 +520,13 @@ async def _set_parts(client: Redis, name: str, views: list[memoryview], size: in
             await connection.read_response()  # raises the server's error, if any
             return
         except RedisConnectionError:
-            await connection.disconnect()
+            await connection.disconnect(nowait=True)
             if attempt:
                 raise
         except BaseException:
-            await connection.disconnect()  # a half-sent request must not stay on the socket
+            # A half-sent request must not stay on the socket. nowait: closing waits for nothing
+            # (a frozen server would hold a polite close for connect_timeout, past the call's deadline).
+            await connection.disconnect(nowait=True)
             raise
         finally:
             await pool.release(connection)

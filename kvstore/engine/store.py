@@ -74,6 +74,9 @@ class KVStore:
         self.namespace = namespace
         self._salt = salt
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        # put's copies into DRAM above a remote tier (_copy_in): a thread of their own, so a put never
+        # waits behind (or, on a frozen disk, forever on) the I/O threads' file reads and writes.
+        self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
         adaptive = config.adaptive
         most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
         self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most)
@@ -200,6 +203,7 @@ class KVStore:
             except OSError as exc:
                 log.warning("close: the access trace could not be written: %r", exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._copy_executor.shutdown(wait=False, cancel_futures=True)
         self._state = "closed"
         metrics.unregister(self)
 
@@ -260,7 +264,7 @@ class KVStore:
         return True
 
     async def _copy_in(self, target: torch.Tensor, kv: torch.Tensor) -> None:
-        """Copy a chunk into its slot: in an I/O thread when a remote tier is below, else on the loop.
+        """Copy a chunk into its slot: in the copy thread when a remote tier is below, else on the loop.
 
         One thread (:func:`copy_between`): torch's copy_ of a 5.6 MiB chunk ran an OpenMP team that
         contended with the tiers' sends (17 ms a put on 2 cores, 2.6 ms single-threaded). Off the
@@ -271,7 +275,7 @@ class KVStore:
         is done, even if cancelled (:func:`in_thread`).
         """
         if self._remote_below and kv.device.type == "cpu" and self.layout.chunk_nbytes >= OFF_LOOP_COPY_BYTES:
-            await in_thread(self._executor, copy_between, target, kv)
+            await in_thread(self._copy_executor, copy_between, target, kv)
         else:
             copy_between(target, kv)
 
