@@ -240,25 +240,6 @@ def test_a_referenced_slot_is_never_evicted():
     assert not pool.contains(key("a"))
 
 
-def test_reserve_without_eviction_takes_only_free_slots():
-    pool = make_pool(3)
-    slot_a, _ = put(pool, "a"), put(pool, "b")
-    private = pool.reserve(evict=False)  # the one never-used slot
-    assert private is not None
-    assert pool.reserve(evict=False) is None, "only published chunks are left: none is evicted"
-    assert pool.contains(key("a")) and pool.contains(key("b")) and pool.stats()["evictions"] == 0
-    pool.release(private)  # released unpublished: free again
-    assert pool.reserve(evict=False) == private
-    pool.release(private)
-    pool.discard(key("a"))  # a discarded chunk's slot is free too
-    taken = [pool.reserve(evict=False), pool.reserve(evict=False)]
-    assert sorted(taken) == sorted([slot_a, private]) and pool.reserve(evict=False) is None
-    assert pool.contains(key("b")) and pool.stats()["evictions"] == 0
-    for slot in taken:
-        pool.release(slot)
-    check_invariants(pool)
-
-
 def test_reserve_fails_fast_when_every_slot_is_referenced():
     pool = make_pool(4)
     held = [pool.reserve() for _ in range(2)]  # private, unpublished

@@ -143,18 +143,14 @@ class SlabPool:
 
     # -- slots -------------------------------------------------------------------------------------
 
-    def reserve(self, evict: bool = True) -> int | None:
+    def reserve(self) -> int | None:
         """A private slot with one reference, evicting the least recently used unreferenced chunk.
 
-        None when every slot is referenced: fail fast, never wait. ``evict=False``: a free slot
-        only (never used, or released unpublished), else None; for staging that may come to
-        nothing (a layer stream closed early) and so must not push a published chunk out.
+        None when every slot is referenced: fail fast, never wait.
         """
         with self._lock:
             if self._free:
                 slot = self._free.pop()
-            elif not evict:
-                return None
             else:
                 evictable = next((s for s in self._index.values() if self._refs[s] == 0), None)
                 if evictable is None:

@@ -63,7 +63,7 @@ COUNTERS = {
     ),
     ("store", "stream_promotions_dropped"): (
         "kvstore_stream_promotions_dropped",
-        "stream promotions dropped: no free staging slot within half the pool (per chunk),"
+        "stream promotions dropped: no staging slot within half the pool (per chunk),"
         " a faster tier's queue full (per tier)",
     ),
     ("tier", "hits"): ("kvstore_tier_hits", "chunks read from the tier"),

@@ -15,11 +15,10 @@ slot reserved for it when the stream opens (the contiguous staging every read ne
 since a chunk's share of a layer is a strided slice of the engine's tensor), and once every
 layer of it has arrived verified, the store publishes the slot and queues it for the faster
 tiers it skipped (``StreamSources.promote``). Nothing of a chunk whose stream failed or closed
-early is promoted. A stream holds its staging slots for its whole life, so they are taken only
-from free slots (never evicting a published chunk a stream closed early would have pushed out
-for nothing) and, across all streams of a store, at most half the pool (:class:`StagingShare`:
-the engine's puts keep the rest). A chunk with no staging slot is read as without promotion,
-and its promotion is dropped and counted.
+early is promoted. A stream holds its staging slots for its whole life, so across all streams
+of a store they are at most half the pool (:class:`StagingShare`: the engine's puts keep the
+rest). A chunk with no staging slot is read as without promotion, and its promotion is dropped
+and counted.
 
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
@@ -50,21 +49,24 @@ log = logging.getLogger("kvstore.prefetch")
 
 
 class StagingShare:
-    """The DRAM slots a store's layer streams hold for promotion: free slots only, at most half the pool.
+    """The DRAM slots a store's layer streams hold for promotion: at most half the pool.
 
     Uncapped, a forward pass streaming as many chunks from a tier as the pool has slots would
-    hold them all until its streams end, and every put meanwhile would be rejected. Touched only
-    by stream producers, on the store's loop: no lock. Never blocks.
+    hold them all until its streams end, and every put meanwhile would be rejected. A slot is
+    taken as ``get_many`` takes one: a free slot first, else the least recently used chunk is
+    evicted (a warm pool is always full; staging only in free slots would never promote there).
+    A stream closed early has evicted those chunks for nothing: the price of promoting at all.
+    Touched only by stream producers, on the store's loop: no lock. Never blocks.
     """
 
     def __init__(self) -> None:
         self.held = 0  # staging slots the store's streams hold now
 
     def take(self, pool: SlabPool) -> int | None:
-        """A free slot for staging (referenced), or None: the share is used up or no slot is free."""
+        """A slot for staging (referenced), or None: the share is used up or every slot is referenced."""
         if self.held >= pool.num_slots // 2:
             return None
-        slot = pool.reserve(evict=False)
+        slot = pool.reserve()
         if slot is not None:
             self.held += 1
         return slot
@@ -283,7 +285,7 @@ class LayerStream:
     def _reserve_staging(self) -> None:
         """A DRAM slot per chunk read from a tier, where its layers are assembled for promotion.
 
-        None past the store's staging share or with no free slot (see StagingShare): that chunk
+        None past the store's staging share or with every slot referenced (see StagingShare): that chunk
         is read straight into the engine's tensor and its promotion dropped (counted when promoted).
         """
         sources = self._sources
