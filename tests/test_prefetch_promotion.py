@@ -1,7 +1,8 @@
 """Layer streams promote (issue 17 item 4): a chunk streamed from a slower tier is put in DRAM and
 queued for the faster tiers behind the stream, so an engine (whose connectors load only through
 streams) does not fetch the same prefix from S3 again. Only a chunk read whole and verified is
-promoted; no DRAM slot or a full queue drops the promotion and counts it."""
+promoted; no DRAM slot or a full queue drops the promotion and counts it. Streams stage in at most
+half the pool across all of them: puts go on while they run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import TEST_BUCKET
-from test_prefetch import LAYOUT, config, expected_layer, fill, same
+from test_prefetch import LAYOUT, chunk, config, expected_layer, fill, keys_of, same
 from test_prefetch_failed_chunk import flip_layer
 
 from kvstore import KVStore, StoreConfig
@@ -100,14 +101,52 @@ async def test_a_full_queue_drops_the_promotion_and_counts_it(tmp_path, request,
         assert store.stats()["disk"]["writes"] == 1
 
 
-async def test_no_free_dram_slot_drops_the_promotion_and_counts_it(tmp_path):
+def with_slots(cfg: StoreConfig, slots: int) -> StoreConfig:
+    return StoreConfig(**{**cfg.model_dump(), "dram": {"capacity": LAYOUT.chunk_nbytes * slots}})
+
+
+async def test_promotions_past_half_the_pool_are_dropped_and_counted(tmp_path):
     cfg = config(tmp_path)
     keys, chunks = await fill(cfg, 3)
-    small = StoreConfig(**{**cfg.model_dump(), "dram": {"capacity": LAYOUT.chunk_nbytes * 2}})
-    async with KVStore(small, LAYOUT, "prefetch") as store:  # two slots for three chunks
-        await stream_all(store, keys, chunks)  # still bit-exact: the third chunk needs no slot
+    async with KVStore(with_slots(cfg, 2), LAYOUT, "prefetch") as store:  # staging: at most one slot of two
+        await stream_all(store, keys, chunks)  # still bit-exact: the chunks without a slot need none
+        stats = store.stats()["store"]
+        assert stats["stream_promoted"] == 1 and stats["stream_promotions_dropped"] == 2
+        assert sum(store.pool.contains(key) for key in keys) == 1
+        assert store.pool.stats()["referenced"] == 0
+
+
+async def test_streams_over_as_many_chunks_as_slots_leave_half_the_pool_to_puts(tmp_path):
+    cfg = config(tmp_path)
+    keys, chunks = await fill(cfg, 4)
+    async with KVStore(with_slots(cfg, 4), LAYOUT, "prefetch") as store:  # empty DRAM, four slots
+        async with store.prefetch(keys[:2], depth=1) as first, store.prefetch(keys[2:], depth=1) as second:
+            assert same(await first.layer(0), expected_layer(chunks[:2], 0))
+            assert same(await second.layer(0), expected_layer(chunks[2:], 0))
+            assert store.pool.stats()["referenced"] == 2, "both streams together stage in half the pool"
+            hot = keys_of(store, 2, seed=1)
+            for index, key in enumerate(hot):
+                assert await store.put(key, chunk(10 + index)), "a put while the streams run finds a slot"
+            for layer in range(1, LAYOUT.num_layers):
+                assert same(await first.layer(layer), expected_layer(chunks[:2], layer))
+                assert same(await second.layer(layer), expected_layer(chunks[2:], layer))
+        stats = store.stats()["store"]
+        assert stats["stream_promoted"] == 2 and stats["stream_promotions_dropped"] == 2
+        assert all(store.pool.contains(key) for key in hot) and sum(store.pool.contains(key) for key in keys) == 2
+        assert store.pool.stats()["referenced"] == 0 and store._stream_sources.staging.held == 0
+
+
+async def test_a_full_pool_still_promotes_evicting_within_half_of_it(tmp_path):
+    cfg = config(tmp_path)
+    keys, chunks = await fill(cfg, 3)
+    async with KVStore(with_slots(cfg, 4), LAYOUT, "prefetch") as store:
+        hot = keys_of(store, 3, seed=1)
+        for index, key in enumerate(hot):  # three published chunks, one free slot
+            assert await store.put(key, chunk(10 + index))
+        await stream_all(store, keys, chunks)  # the free slot, then one eviction: half the pool
         stats = store.stats()["store"]
         assert stats["stream_promoted"] == 2 and stats["stream_promotions_dropped"] == 1
+        assert sum(store.pool.contains(key) for key in hot) == 2 and store.pool.stats()["evictions"] == 1
         assert sum(store.pool.contains(key) for key in keys) == 2
         assert store.pool.stats()["referenced"] == 0
 

@@ -63,7 +63,8 @@ COUNTERS = {
     ),
     ("store", "stream_promotions_dropped"): (
         "kvstore_stream_promotions_dropped",
-        "stream promotions dropped: no DRAM slot free (per chunk), a faster tier's queue full (per tier)",
+        "stream promotions dropped: no staging slot within half the pool (per chunk),"
+        " a faster tier's queue full (per tier)",
     ),
     ("tier", "hits"): ("kvstore_tier_hits", "chunks read from the tier"),
     ("tier", "misses"): ("kvstore_tier_misses", "chunk reads the tier did not hold"),

@@ -15,7 +15,10 @@ slot reserved for it when the stream opens (the contiguous staging every read ne
 since a chunk's share of a layer is a strided slice of the engine's tensor), and once every
 layer of it has arrived verified, the store publishes the slot and queues it for the faster
 tiers it skipped (``StreamSources.promote``). Nothing of a chunk whose stream failed or closed
-early is promoted; with no slot free, the promotion is dropped and counted.
+early is promoted. A stream holds its staging slots for its whole life, so across all streams
+of a store they are at most half the pool (:class:`StagingShare`: the engine's puts keep the
+rest). A chunk with no staging slot is read as without promotion, and its promotion is dropped
+and counted.
 
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
@@ -29,7 +32,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +46,35 @@ from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
 
 log = logging.getLogger("kvstore.prefetch")
+
+
+class StagingShare:
+    """The DRAM slots a store's layer streams hold for promotion: at most half the pool.
+
+    Uncapped, a forward pass streaming as many chunks from a tier as the pool has slots would
+    hold them all until its streams end, and every put meanwhile would be rejected. A slot is
+    taken as ``get_many`` takes one: a free slot first, else the least recently used chunk is
+    evicted (a warm pool is always full; staging only in free slots would never promote there).
+    A stream closed early has evicted those chunks for nothing: the price of promoting at all.
+    Touched only by stream producers, on the store's loop: no lock. Never blocks.
+    """
+
+    def __init__(self) -> None:
+        self.held = 0  # staging slots the store's streams hold now
+
+    def take(self, pool: SlabPool) -> int | None:
+        """A slot for staging (referenced), or None: the share is used up or every slot is referenced."""
+        if self.held >= pool.num_slots // 2:
+            return None
+        slot = pool.reserve()
+        if slot is not None:
+            self.held += 1
+        return slot
+
+    def give_back(self, pool: SlabPool, slot: int) -> None:
+        """Release a slot ``take`` gave (published meanwhile or not)."""
+        pool.release(slot)
+        self.held -= 1
 
 
 @dataclass(frozen=True)
@@ -61,10 +93,12 @@ class StreamSources:
     read_timeout: float  # seconds a remote tier may take per request (timeouts.get)
     opened: Callable[[Sequence[ChunkKey], Sequence[int | None]], None]
     close_timeout: float = 10.0  # seconds close() waits for the producer to stop (timeouts.close)
-    # A chunk read whole and verified from ``tier`` into ``slot`` (None: no DRAM slot was free for
-    # it): the store publishes it and queues it for the faster tiers, or counts the drop. Called on
-    # the loop, never awaited; the stream keeps its own reference to the slot and releases it.
+    # A chunk read whole and verified from ``tier`` into ``slot`` (None: it had no staging slot,
+    # see StagingShare): the store publishes it and queues it for the faster tiers, or counts the
+    # drop. Called on the loop, never awaited; the stream keeps its own reference to the slot and
+    # releases it.
     promote: Callable[[ChunkKey, ReaderTier, int | None], None] | None = None
+    staging: StagingShare = field(default_factory=StagingShare)  # shared by every stream of the store
 
 
 class LayerStream:
@@ -249,16 +283,20 @@ class LayerStream:
             )
 
     def _reserve_staging(self) -> None:
-        """A DRAM slot per chunk read from a tier, where its layers are assembled for promotion (None if none free)."""
-        pool = self._sources.pool
+        """A DRAM slot per chunk read from a tier, where its layers are assembled for promotion.
+
+        None past the store's staging share or with every slot referenced (see StagingShare): that chunk
+        is read straight into the engine's tensor and its promotion dropped (counted when promoted).
+        """
+        sources = self._sources
         self._staging = [None] * len(self._keys)
-        if self._sources.promote is None:
+        if sources.promote is None:
             return
         for index, reader in enumerate(self._readers):
             if reader is not None:
-                self._staging[index] = slot = pool.reserve()
+                self._staging[index] = slot = sources.staging.take(sources.pool)
                 if slot is None:
-                    return  # every slot is referenced: the rest is dropped too (counted when promoted)
+                    return  # the share is used up or no slot is free: the rest is dropped too
 
     def _promote(self) -> None:
         """Every layer arrived: hand each chunk read from a tier to the store (its slot, or None: dropped)."""
@@ -344,9 +382,13 @@ class LayerStream:
             copy_between(target, contiguous)
 
     def _release(self) -> None:
-        for slot in self._slots + self._staging:
+        pool = self._sources.pool
+        for slot in self._slots:
             if slot is not None:
-                self._sources.pool.release(slot)
+                pool.release(slot)
+        for slot in self._staging:
+            if slot is not None:
+                self._sources.staging.give_back(pool, slot)
         for reader in self._readers:
             if reader is not None:
                 reader.close()
