@@ -265,7 +265,7 @@ def test_a_batch_is_refused(scenario, tmp_path):
 
 
 def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario, tmp_path):
-    """Redis stops answering after the lookup found the prefix: the load times out, the request is
+    """Redis stops answering after the lookup (the plan) found the prefix: the load times out, the request is
     recomputed, and the reply is still exact."""
     from kvstore.devtools.servers import RedisServer
 
@@ -275,14 +275,14 @@ def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario
         cache_the_first_request(scenario, config)
         with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
             connector = HFConnector(scenario.model, store)
-            lookup = store.lookup
+            plan = store.plan  # what the connector asks: the lookup and the load planner's answer
 
-            def lookup_then_freeze(keys):
-                found = lookup(keys)
+            def plan_then_freeze(keys):
+                found = plan(keys)
                 server.pause()  # SIGSTOP: connections stay open, nothing answers
                 return found
 
-            store.lookup = lookup_then_freeze
+            store.plan = plan_then_freeze
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
