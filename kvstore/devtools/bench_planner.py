@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mbps", type=float, default=1.0, help="MB/s the proxy lets Redis send")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids
+    from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids  # type: ignore[import-not-found]
 
     torch.manual_seed(0)
     tokenizer, model = load_smollm2(torch.float32)
