@@ -306,6 +306,15 @@ class AdaptiveConfig(_Section):
     trace: Path | None = Field(None, description="append every chunk lookup to this trace file (for kvstore advise)")
 
 
+class PlannerConfig(_Section):
+    """Load or recompute (see kvstore.engine.planner): a hit is loaded only if that beats computing it."""
+
+    enabled: bool = Field(True, description="recompute a held chunk whose expected load is slower than its prefill")
+    prefill_tokens_per_s: float | None = Field(
+        None, gt=0, description="pin the engine's prefill rate (tokens/s); by default the connectors measure it"
+    )
+
+
 class StoreConfig(BaseSettings):
     """Everything a :class:`kvstore.KVStore` needs besides the model layout."""
 
@@ -322,6 +331,7 @@ class StoreConfig(BaseSettings):
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")
     tier_workers: int = Field(2, ge=1, le=64, description="concurrent writes per secondary tier")
     io_threads: int = Field(4, ge=1, le=256, description="threads for file I/O and codecs")

@@ -37,6 +37,7 @@ from transformers import (
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
 from kvstore.storage.container import parse_header
+from kvstore.testing.slow_proxy import SlowProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids  # noqa: E402
@@ -264,7 +265,7 @@ def test_a_batch_is_refused(scenario, tmp_path):
 
 
 def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario, tmp_path):
-    """Redis stops answering after the lookup found the prefix: the load times out, the request is
+    """Redis stops answering after the lookup (the plan) found the prefix: the load times out, the request is
     recomputed, and the reply is still exact."""
     from kvstore.devtools.servers import RedisServer
 
@@ -274,14 +275,14 @@ def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario
         cache_the_first_request(scenario, config)
         with SyncKVStore(config, layout_for_model(scenario.model), namespace=NAMESPACE) as store:
             connector = HFConnector(scenario.model, store)
-            lookup = store.lookup
+            plan = store.plan  # what the connector asks: the lookup and the load planner's answer
 
-            def lookup_then_freeze(keys):
-                found = lookup(keys)
+            def plan_then_freeze(keys):
+                found = plan(keys)
                 server.pause()  # SIGSTOP: connections stay open, nothing answers
                 return found
 
-            store.lookup = lookup_then_freeze
+            store.plan = plan_then_freeze
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -511,3 +512,25 @@ def test_a_quantized_cache_is_refused_when_saved_with_the_alternative(tmp_path):
         with pytest.raises(NotImplementedError, match=r"Fp8QuantizedLayer at layers \[0, 1, 2, 3\].*codec = 'fp8'"):
             connector.save(ids[0], quantized, start_chunk=0)
         assert store.lookup(store.chunk_keys(ids[0].tolist())) == 0
+
+
+def test_a_prefix_only_a_slow_tier_holds_is_recomputed_and_a_fast_tier_s_is_loaded(
+    scenario, tmp_path, redis_server, monkeypatch
+):
+    """The load planner (prefill pinned: 8 chunks recompute in 0.1 s). Redis behind a proxy that
+    delays every request 0.3 s loses to recompute, so the reply is the recompute's; the disk wins."""
+    planner = {"prefill_tokens_per_s": DOCUMENT_TOKENS / 0.1}
+    with SlowProxy("127.0.0.1", redis_server.port) as proxy:
+        redis = {"enabled": True, "url": f"redis://127.0.0.1:{proxy.port}/0", "prefix": f"hf-{uuid.uuid4().hex[:8]}"}
+        slow = StoreConfig(dram={"capacity": "256MiB"}, disk={"enabled": False}, redis=redis, planner=planner)
+        cache_the_first_request(scenario, slow)
+        proxy.delay = 0.3
+        reply, stats = serve(scenario, slow, scenario.second)
+    assert reply.tokens == scenario.second_reference.tokens
+    assert stats["connector"]["recomputed_chunks"] == 8 and stats["connector"]["loaded_chunks"] == 0
+    assert stats["redis"]["hits"] == 0, "nothing is read from the slow tier"
+    fast = StoreConfig(dram={"capacity": "256MiB"}, disk={"path": tmp_path / "disk"}, planner=planner)
+    cache_the_first_request(scenario, fast)
+    reply, stats = serve(scenario, fast, scenario.second)
+    assert stats["connector"]["recomputed_chunks"] == 0 and stats["connector"]["loaded_chunks"] == 8
+    assert first_divergence(reply, scenario.second_reference) > 0

@@ -38,8 +38,12 @@ fingerprint only tells shapes and dtypes apart, not two models that share them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +63,7 @@ from kvstore.connectors.hf_cache import (
     first_held_token,
 )
 from kvstore.connectors.identity import default_namespace
+from kvstore.engine.planner import DRAM, LoadPlan
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
@@ -146,8 +151,10 @@ class HFConnector:
             "save_rejected": 0,
             "save_incomplete": 0,  # chunks not saved: a sliding-window layer had dropped some of their tokens
             "fallbacks": 0,
+            "recomputed_chunks": 0,  # stored chunks the load planner found faster to compute than to load
             "load_wait_seconds": 0.0,
         }
+        self.last_plan: LoadPlan | None = None  # the plan of the latest request's prefix
 
     # -- the parts of a request ------------------------------------------------------------------
 
@@ -156,16 +163,38 @@ class HFConnector:
 
         A prompt that is cached whole reuses all but its last token: the model needs at least
         one input token to produce the next token's logits.
+
+        Of the stored prefix, only the leading chunks the store's load planner finds faster to load
+        than to compute are loaded (``self.last_plan``; :mod:`kvstore.engine.planner`); the rest are
+        recomputed, and saved again after the request (so a chunk only a slow tier holds gets into
+        DRAM and the disk).
         """
         tokens = _prompt_tokens(input_ids)
         keys = self.store.chunk_keys(tokens, self.extra)
-        chunks = self.store.lookup(keys) if keys else 0
-        reused = min(chunks * self.layout.chunk_tokens, len(tokens) - 1)
+        plan = self.store.plan(keys) if keys else LoadPlan((), 0, 0.0, 0.0)
+        self.last_plan = plan
+        self.counters["recomputed_chunks"] += plan.recomputed
+        reused = min(plan.load * self.layout.chunk_tokens, len(tokens) - 1)
         if reused <= 0:
             return LoadedPrefix(self.model, keys)
-        prefix = LoadedPrefix(self.model, keys, chunks, reused, len(tokens))
-        prefix.start(self.store, self.wait_timeout)
+        prefix = LoadedPrefix(self.model, keys, plan.load, reused, len(tokens))
+        prefix.start(self.store, self.wait_timeout, lambda seconds: self._loaded(plan, seconds))
         return prefix
+
+    def _loaded(self, plan: LoadPlan, seconds: float) -> None:
+        """A planned load took ``seconds``: the planner's read estimate of the tier that cost the most.
+
+        The other tiers' chunks (DRAM's, a faster tier's) are taken at their expected time.
+        """
+        planner, chunk = self.store.store.planner, self.layout.chunk_nbytes
+        counts = Counter(plan.tiers[: plan.load])
+        counts.pop(DRAM, None)
+        if not counts:
+            return  # all from DRAM: a copy, not a tier read
+        expected = {tier: planner.estimate(tier).seconds(n * chunk) for tier, n in counts.items()}
+        slowest = max(expected, key=expected.__getitem__)
+        others = sum(expected.values()) - expected[slowest]
+        planner.observe_read(slowest, max(seconds - others, seconds / 2), counts[slowest] * chunk)
 
     def save(
         self, token_ids: torch.Tensor | Sequence[int], cache: DynamicCache, *, start_chunk: int | None = None
@@ -223,7 +252,11 @@ class HFConnector:
         prefix = self.load(tokens)
         start_chunk: int | None = prefix.chunks
         try:
-            output = self.model.generate(input_ids, past_key_values=prefix.cache, **generate_kwargs)
+            with _first_forward(self.model) as prefill:
+                output = self.model.generate(input_ids, past_key_values=prefix.cache, **generate_kwargs)
+            if prefill.tokens >= self.layout.chunk_tokens:  # a real prefill, not a token or two
+                # The forward's time, less what it waited for loaded layers: the engine's prefill rate.
+                self.store.store.planner.observe_prefill(prefill.tokens, prefill.seconds - prefix.waited)
         except PrefetchError as exc:
             log.warning("cached prefix of %d tokens failed to load (%s); recomputing", prefix.reused_tokens, exc)
             self.counters["fallbacks"] += 1
@@ -245,6 +278,40 @@ class HFConnector:
     def stats(self) -> dict[str, Any]:
         """The connector's counters and the store's (per tier)."""
         return {"connector": dict(self.counters), **self.store.stats()}
+
+
+@dataclass
+class _ForwardTiming:
+    tokens: int = 0  # input tokens of the model's first forward call
+    seconds: float = 0.0
+    started: float | None = None
+
+
+@contextlib.contextmanager
+def _first_forward(model: Any) -> Iterator[_ForwardTiming]:
+    """Time the model's first forward call in the block (``generate``'s prefill) and count its tokens."""
+    timing = _ForwardTiming()
+
+    def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if timing.started is None:
+            inputs = kwargs.get("input_ids", args[0] if args else None)
+            inputs = inputs if inputs is not None else kwargs.get("inputs_embeds")
+            timing.tokens = int(inputs.shape[1]) if inputs is not None and inputs.dim() >= 2 else 0
+            timing.started = time.perf_counter()
+
+    def after(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if timing.started is not None and not timing.seconds:
+            timing.seconds = time.perf_counter() - timing.started
+
+    hooks = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield timing
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _prompt_tokens(input_ids: torch.Tensor | Sequence[int]) -> list[int]:

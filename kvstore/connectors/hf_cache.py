@@ -26,6 +26,7 @@ refused by :func:`check_storable` with the reason and the alternative.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,7 +119,7 @@ class LoadedPrefix:
         self._wait_timeout: float | None = None
         self._pending = 0  # layers still waiting for their part of the prefix (engine thread only)
 
-    def start(self, store: SyncKVStore, wait_timeout: float) -> None:
+    def start(self, store: SyncKVStore, wait_timeout: float, on_loaded: Callable[[float], None] | None = None) -> None:
         """Start streaming the prefix; every layer of the cache waits for its own part of it.
 
         When the model keeps its KV on the CPU in the stored dtype, each layer's prefix is
@@ -134,7 +135,15 @@ class LoadedPrefix:
                 self.buffers = [torch.empty(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
             loaded = self.chunks * layout.chunk_tokens  # <= prompt_tokens
             outs = [buffer[:, 0, :, :loaded].permute(0, 2, 1, 3) for buffer in self.buffers]  # canonical order
+        started = time.perf_counter()
         self._stream = store.prefetch(self.keys[: self.chunks], depth=layout.num_layers, outs=outs)
+        if on_loaded is not None:  # the whole prefix's load time, if every layer arrives (on the store's loop)
+
+            def arrived(error: BaseException | None) -> None:
+                if error is None:
+                    on_loaded(time.perf_counter() - started)
+
+            self._stream.on_arrival(-1, arrived)
         self._wait_timeout = wait_timeout
         self._pending = len(self.cache.layers)
         self.cache.layers = [

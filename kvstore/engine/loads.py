@@ -98,13 +98,20 @@ class TierLoader:
         self.admissions_dropped = 0  # ... not admitted: no slot free, or the admission read failed
 
     async def held_prefix(self, keys: Sequence[ChunkKey], in_dram: Sequence[bool], deadline: Deadline) -> int:
-        """How many leading ``keys`` are in DRAM or in some tier.
+        """How many leading ``keys`` are in DRAM or in some tier (see :meth:`held_tiers`)."""
+        return len(await self.held_tiers(keys, in_dram, deadline))
+
+    async def held_tiers(
+        self, keys: Sequence[ChunkKey], in_dram: Sequence[bool], deadline: Deadline
+    ) -> list[ChunkTier | None]:
+        """Per leading key in DRAM or in some tier: the fastest tier found to hold it (None: DRAM).
 
         Each tier is asked once, in one query covering every key not in DRAM (all the gaps at
         once), about the keys no faster tier was found to hold; all within ``deadline``. A tier
         that fails or times out holds nothing for this call.
         """
         gaps = [i for i, here in enumerate(in_dram) if not here]
+        holders: dict[int, ChunkTier] = {}  # gap index -> the tier that holds it
         found = 0  # leading gaps some tier holds
         for position, tier in enumerate(self.tiers):
             allowance = deadline.allowance(last=position + 1 == len(self.tiers))
@@ -112,12 +119,15 @@ class TierLoader:
                 break
             asked = [keys[i] for i in gaps[found:]]
             try:
-                found += await self._operations.bounded(
+                count = await self._operations.bounded(
                     tier.prefix_count(asked), allowance, tier, tier.latency.lookup, blame=deadline.fair(allowance)
                 )
             except TierTimeout:
                 continue
-        return gaps[found] if found < len(gaps) else len(keys)
+            holders.update(dict.fromkeys(gaps[found : found + count], tier))
+            found += count
+        held = gaps[found] if found < len(gaps) else len(keys)
+        return [holders.get(i) for i in range(held)]
 
     async def load(
         self, keys: Sequence[ChunkKey], deliver: Deliver, deadline: Deadline, outs: Sequence[memoryview] | None = None
@@ -306,6 +316,7 @@ class TierLoader:
             read = tier.read_many_into([keys[i] for i in order], [self.pool.buffer(reserved[i]) for i in order])
             end_of_read = releaser(self.pool, [reserved[i] for i in order])
             found = await self._operations.bounded(read, timeout, tier, tier.latency.read, end_of_read, blame=blame)
+            tier.latency.read_chunks += sum(found)  # the read's throughput, for the load planner
         except TierTimeout:
             found = [False] * len(order)
         except BaseException:

@@ -32,10 +32,11 @@ from kvstore.backends import make_backend
 from kvstore.codecs import make_codec
 from kvstore.config import StoreConfig
 from kvstore.engine import metrics
-from kvstore.engine.costs import measured_costs
+from kvstore.engine.costs import copy_bandwidth, measured_costs
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.loads import Deadline, TierLoader, releaser
 from kvstore.engine.operations import TierOperations
+from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
 from kvstore.engine.prefetch import LayerStream, StreamSources
 from kvstore.engine.stats import StoreLatency
 from kvstore.errors import StoreClosedError, TierTimeout
@@ -117,6 +118,7 @@ class KVStore:
         self._operations = TierOperations()  # each bounded by its timeout, tracked until it really ends
         self._loader = TierLoader(self.pool, self.tiers, self._operations, self._enqueue)
         self.latency = StoreLatency()  # per lookup/get call; each tier keeps its own (tier.latency)
+        self.planner = LoadPlanner(config.planner, layout.chunk_nbytes, layout.chunk_tokens, copy_bandwidth())
         self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
         self._state = "new"
 
@@ -319,6 +321,21 @@ class KVStore:
         Each secondary tier is asked at most once (one query for every key DRAM lacks), and the
         call waits at most ``timeouts.get`` in all: a tier that has not answered by then holds nothing.
         """
+        return len(await self._held(keys))
+
+    async def plan(self, keys: Sequence[ChunkKey]) -> LoadPlan:
+        """``lookup``, with which tier holds each chunk and how many are worth loading (engine/planner.py).
+
+        ``plan.held`` is ``lookup``'s answer; load ``plan.load`` leading chunks and recompute the
+        rest: their expected load time is no more than their expected recompute time.
+        """
+        holders = await self._held(keys)
+        self.planner.sync(self.tiers)
+        names = [DRAM if tier is None else tier.name for tier in holders]
+        return self.planner.plan(names, [tier is None or tier.is_local for tier in holders])
+
+    async def _held(self, keys: Sequence[ChunkKey]) -> list[ChunkTier | None]:
+        """Per leading key some tier holds, the fastest that holds it (None: DRAM)."""
         self._check_open()
         start = time.perf_counter()
         keys = list(keys)
@@ -329,9 +346,9 @@ class KVStore:
             if self._auto is not None:
                 self._auto.maybe_decide()
         in_dram = [self.pool.contains(key) for key in keys]
-        count = await self._loader.held_prefix(keys, in_dram, Deadline(self.config.timeouts.get))
+        holders = await self._loader.held_tiers(keys, in_dram, Deadline(self.config.timeouts.get))
         self.latency.lookup.observe(time.perf_counter() - start)
-        return count
+        return holders
 
     async def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The chunk (into ``out`` if given, else a new tensor), or None on a miss of any kind.

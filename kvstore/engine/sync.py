@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvstore.config import StoreConfig
+from kvstore.engine.planner import LoadPlan
 from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.store import KVStore
 from kvstore.errors import LayerTimeout, StoreClosedError
@@ -62,6 +63,14 @@ class SyncKVStore:
     def lookup_future(self, keys: Sequence[ChunkKey]) -> concurrent.futures.Future[int]:
         """``lookup`` without waiting: for callers that must not block (an engine's scheduler)."""
         return self.submit(self.store.lookup(keys))
+
+    def plan(self, keys: Sequence[ChunkKey]) -> LoadPlan:
+        """``KVStore.plan``: how many leading ``keys`` to load, and from which tier (blocking)."""
+        return self._call(self.store.plan(keys))
+
+    def plan_future(self, keys: Sequence[ChunkKey]) -> concurrent.futures.Future[LoadPlan]:
+        """``plan`` without waiting: for callers that must not block (an engine's scheduler)."""
+        return self.submit(self.store.plan(keys))
 
     def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine (using ``self.store``) on the store's loop without waiting for it."""
@@ -192,6 +201,21 @@ class SyncLayerStream:
             raise outcome
         assert outcome is not None
         return outcome
+
+    def on_arrival(self, index: int, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(None)`` on the store's loop when layer ``index`` has arrived (its error if it
+        cannot); non-blocking. A load planner times a whole load this way (layer -1: the last)."""
+        stream = self._stream
+
+        async def notify() -> None:
+            try:
+                await stream.layer(index % stream.num_layers)
+            except Exception as exc:
+                callback(exc)
+            else:
+                callback(None)
+
+        self._owner.submit(notify())
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
         for index in range(self._stream.num_layers):

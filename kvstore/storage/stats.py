@@ -65,3 +65,4 @@ class TierLatency:
     read: Histogram = field(default_factory=Histogram)
     write: Histogram = field(default_factory=Histogram)
     lookup: Histogram = field(default_factory=Histogram)
+    read_chunks: int = 0  # chunks the reads timed in ``read`` delivered (their throughput: kvstore.engine.planner)

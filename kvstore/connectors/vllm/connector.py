@@ -61,6 +61,7 @@ from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
+from kvstore.engine.planner import DRAM, LoadPlan, PrefillClock
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
@@ -90,8 +91,8 @@ class _Request:
 
     keys: list[ChunkKey]  # one per full chunk of the prompt
     prompt_tokens: int
-    lookup: concurrent.futures.Future[int] | None = None
-    found: int | None = None  # leading chunks the store holds, once the lookup is back
+    lookup: concurrent.futures.Future[LoadPlan] | None = None
+    found: int | None = None  # leading chunks worth loading (the store's plan), once the lookup is back
     local_tokens: int = 0  # what vLLM's own prefix cache had, as last told
     next_save: int = 0  # chunks before this one are in the store or queued for it
     block_ids: list[list[int]] = field(default_factory=list)  # the block table of each vLLM KV cache group
@@ -158,6 +159,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             "saved_chunks": 0,
             "save_rejected": 0,
             "unsaveable_chunks": 0,  # a sliding-window group no longer held a chunk's blocks: not saved
+            "recomputed_chunks": 0,  # scheduler: stored chunks the load planner found faster to compute
         }
         # scheduler side
         self._requests: dict[str, _Request] = {}
@@ -166,6 +168,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # be another process, whose DRAM the scheduler's lookups cannot see.
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._saved_limit = max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes)
+        self._prefill_clock = PrefillClock(
+            self.store.store.planner if self.store is not None else None, self.chunk_tokens
+        )
         # worker side
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
@@ -210,30 +215,38 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Hybrid models load whole prefixes asynchronously (vLLM takes their failures per request).
         return max(0, matched - num_computed_tokens), self.hybrid and matched > num_computed_tokens
 
-    def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[int]:
-        """How many leading ``keys`` are stored: those just saved to the worker's DRAM, then the store's answer."""
+    def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[LoadPlan]:
+        """The plan for ``keys``: those just saved to the worker's DRAM, then where the store holds the rest.
+
+        The store's load planner (:mod:`kvstore.engine.planner`) says how many leading chunks are
+        worth loading rather than recomputing, with the prefill rate this scheduler measures.
+        """
         recent = 0
         while recent < len(keys) and keys[recent] in self._saved:
             recent += 1
-        total: concurrent.futures.Future[int] = concurrent.futures.Future()
+        planner = self._held_store().store.planner
+        total: concurrent.futures.Future[LoadPlan] = concurrent.futures.Future()
         if recent == len(keys):
-            total.set_result(recent)
+            total.set_result(planner.plan([DRAM] * recent))
             return total
 
-        def add_recent(rest: concurrent.futures.Future[int]) -> None:
+        def add_recent(rest: concurrent.futures.Future[LoadPlan]) -> None:
             if rest.exception() is not None:
                 total.set_exception(rest.exception())  # type: ignore[arg-type]
             else:
-                total.set_result(recent + rest.result())
+                tiers = [DRAM] * recent + list(rest.result().tiers)
+                total.set_result(planner.plan(tiers))  # (the store's plan has seeded every tier's estimate)
 
-        self._held_store().lookup_future(keys[recent:]).add_done_callback(add_recent)
+        self._held_store().plan_future(keys[recent:]).add_done_callback(add_recent)
         return total
 
     def _found(self, state: _Request) -> int | None:
         """The lookup's answer (None while it is out); a failed lookup is a miss."""
         if state.found is None and state.lookup is not None and state.lookup.done():
             try:
-                state.found = state.lookup.result()
+                plan = state.lookup.result()
+                state.found = plan.load
+                self.counters["recomputed_chunks"] += plan.recomputed
             except Exception as exc:
                 self.counters["lookup_errors"] += 1
                 log.warning("kvstore lookup failed (the prompt is computed instead): %r", exc)
@@ -271,6 +284,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters["hit_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._prefill_clock.step(scheduler_output.total_num_scheduled_tokens)
         meta = KVStoreConnectorMetadata(loads=self._unsent_loads)
         self._unsent_loads = []
         progress: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, and after it)

@@ -1,0 +1,248 @@
+"""Load or recompute: which leading chunks of a prompt are worth loading, and from which tier.
+
+A hit is only worth taking if loading it is faster than computing it: a chunk held only by an S3
+bucket across a slow link can cost more to fetch than the engine takes to prefill its tokens.
+:class:`LoadPlanner` keeps online estimates and answers :meth:`LoadPlanner.plan`:
+
+- per tier, the **latency** of one request (an EWMA of the tier's lookups: a HEAD on S3, EXISTS
+  on Redis, a stat on disk, which the store does on every ``lookup``) and its **throughput** in
+  chunk bytes per second (an EWMA of the batch reads ``get_many`` does, and of the loads a
+  connector reports through :meth:`observe_read`); each seeded from conservative defaults until
+  measured (:data:`SEED_LATENCY`, :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
+- the engine's **prefill rate** in tokens per second: pinned by ``planner.prefill_tokens_per_s``,
+  else an EWMA of what the connector measured of its own steps (:meth:`observe_prefill`). Until
+  there is one, recompute is taken to cost without bound: an engine that has not measured yet is
+  never refused a hit.
+
+The plan for the held prefix (chunk i held by ``tiers[i]``; DRAM first) is the number ``k`` of
+leading chunks to load that saves the most time: ``k * chunk_tokens / prefill_rate`` (their
+recompute) minus the expected load of chunks ``0..k-1`` (per tier used, one latency plus its
+bytes over its throughput; tiers in turn, as the store reads them). Loading the first chunks
+from DRAM and recomputing the ones only S3 holds is such a plan. As recompute is linear in k,
+the chosen k never has an expected load time above its expected recompute time. Overlap of a
+layer stream with the suffix's compute is not counted: the plan errs towards recompute by that.
+
+Thread-safe (a lock): the store's loop reads tiers and plans, an engine thread reports its steps.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.config import PlannerConfig
+from kvstore.sizing.advice import DEFAULT_BANDWIDTH
+from kvstore.storage.tier import ChunkTier
+
+DRAM = "dram"  # the tier name a plan gives chunks held in the DRAM pool
+SEED_LATENCY = {"local": 0.0005, "remote": 0.005}  # seconds per request until a tier's lookups are measured
+SMOOTHING = 0.3  # weight of a new measurement in each EWMA
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to do with a prompt's held prefix: load its first ``load`` chunks, recompute the rest.
+
+    ``tiers[i]`` names where chunk i is read from (``"dram"``, or a tier: ``"disk"``, ``"redis"``,
+    ``"s3"``); its length is the prefix the store holds (what ``lookup`` answers). The seconds are
+    the planner's expectations for the first ``load`` chunks.
+    """
+
+    tiers: tuple[str, ...]
+    load: int
+    load_seconds: float
+    recompute_seconds: float
+
+    @property
+    def held(self) -> int:
+        """Leading chunks some tier holds (``lookup``'s answer)."""
+        return len(self.tiers)
+
+    @property
+    def recomputed(self) -> int:
+        """Held chunks the plan recomputes rather than loads."""
+        return self.held - self.load
+
+
+@dataclass
+class TierEstimate:
+    """One tier's expected cost: ``latency_s + nbytes / bytes_per_s`` to read ``nbytes`` in one request."""
+
+    latency_s: float
+    bytes_per_s: float
+    lookups: int = 0  # measurements folded in so far
+    reads: int = 0
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latency_s = _ewma(self.latency_s, max(0.0, seconds), self.lookups)
+        self.lookups += 1
+
+    def observe_read(self, seconds: float, nbytes: int) -> None:
+        """A read of ``nbytes`` that took ``seconds`` (0 bytes: a read that timed out or found nothing)."""
+        transfer = max(seconds - self.latency_s, seconds / 2, 1e-9)  # what the request's latency leaves
+        self.bytes_per_s = max(1.0, _ewma(self.bytes_per_s, nbytes / transfer, self.reads))
+        self.reads += 1
+
+
+def _ewma(current: float, sample: float, seen: int) -> float:
+    """The first measurement replaces the seed; later ones move the estimate by SMOOTHING."""
+    return sample if seen == 0 else (1 - SMOOTHING) * current + SMOOTHING * sample
+
+
+class LoadPlanner:
+    """Online estimates of each tier and of the engine's prefill, and the plans made from them.
+
+    ``chunk_nbytes``/``chunk_tokens``: the layout's chunk; ``dram_bytes_per_s``: a copy out of the
+    DRAM pool (measured once per process, :func:`kvstore.engine.costs.copy_bandwidth`).
+    """
+
+    def __init__(self, config: PlannerConfig, chunk_nbytes: int, chunk_tokens: int, dram_bytes_per_s: float) -> None:
+        self.config, self.chunk_nbytes, self.chunk_tokens = config, chunk_nbytes, chunk_tokens
+        self.dram = TierEstimate(0.0, dram_bytes_per_s)
+        self.tiers: dict[str, TierEstimate] = {}
+        self.measured_prefill: float | None = None  # tokens/s, an EWMA of the engine's own steps
+        self._prefills = 0
+        self._seen: dict[str, tuple[int, float, int, float, int, int]] = {}  # per tier: counters read at the last sync
+        self._lock = threading.Lock()
+
+    # -- estimates ---------------------------------------------------------------------------------
+
+    def estimate(self, tier: str, local: bool = True) -> TierEstimate:
+        """The estimate of ``tier`` (``"dram"`` included), seeded on first use (``local``: a disk-like tier)."""
+        if tier == DRAM:
+            return self.dram
+        with self._lock:
+            if tier not in self.tiers:
+                kind = "local" if local else "remote"
+                bandwidth = DEFAULT_BANDWIDTH["disk_read" if local else "remote"]
+                self.tiers[tier] = TierEstimate(SEED_LATENCY[kind], bandwidth)
+            return self.tiers[tier]
+
+    def observe_read(self, tier: str, seconds: float, nbytes: int, local: bool = True) -> None:
+        """A load of ``nbytes`` of chunk data from ``tier`` that took ``seconds`` (any thread)."""
+        estimate = self.estimate(tier, local)
+        with self._lock:
+            estimate.observe_read(seconds, nbytes)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds`` (any thread); ignored if either is 0."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            rate = tokens / seconds
+            self.measured_prefill = rate if self.measured_prefill is None else _ewma(self.measured_prefill, rate, 1)
+            self._prefills += 1
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The rate plans use: the pinned one, else the measured one, else None (not known yet)."""
+        pinned = self.config.prefill_tokens_per_s
+        return pinned if pinned is not None else self.measured_prefill
+
+    def sync(self, tiers: Sequence[ChunkTier]) -> None:
+        """Fold in what ``tiers`` measured since the last sync (loop thread: the tiers' counters are its).
+
+        Lookups (``tier.latency.lookup``) give the per-request latency; batch reads
+        (``tier.latency.read``, with ``tier.latency.read_chunks``) the throughput.
+        """
+        for tier in tiers:
+            latency = tier.latency
+            lookup, read = latency.lookup, latency.read
+            now = (sum(lookup.counts), lookup.sum, sum(read.counts), read.sum, latency.read_chunks, tier.stats.timeouts)
+            before = self._seen.get(tier.name, (0, 0.0, 0, 0.0, 0, 0))
+            self._seen[tier.name] = now
+            estimate = self.estimate(tier.name, tier.is_local)
+            with self._lock:
+                if now[0] > before[0]:
+                    estimate.observe_latency((now[1] - before[1]) / (now[0] - before[0]))
+                # Per batch read: its seconds and its chunks' bytes. Reads that found nothing say nothing
+                # of the throughput (a faster tier had the chunks), unless the tier timed out meanwhile.
+                found, timed_out = now[4] > before[4], now[5] > before[5]
+                if now[2] > before[2] and (found or timed_out):
+                    batches = now[2] - before[2]
+                    seconds, chunks = (now[3] - before[3]) / batches, (now[4] - before[4]) / batches
+                    estimate.observe_read(seconds, int(chunks * self.chunk_nbytes))
+
+    # -- plans ----------------------------------------------------------------------------------------
+
+    def plan(self, tiers: Sequence[str], local: Sequence[bool] | None = None) -> LoadPlan:
+        """The plan for a held prefix whose chunk i is in ``tiers[i]`` (``local[i]``: a disk-like tier).
+
+        Loads the whole prefix when the planner is off or the prefill rate is not known yet.
+        """
+        tiers = tuple(tiers)
+        rate = self.prefill_tokens_per_s
+        per_chunk = self.chunk_tokens / rate if rate else math.inf
+        best, best_saving, best_load = 0, 0.0, 0.0
+        used: dict[str, int] = {}  # chunks per tier among the first k
+        load = 0.0
+        for k, tier in enumerate(tiers, start=1):
+            estimate = self.estimate(tier, True if local is None else local[k - 1])
+            count = used.get(tier, 0)
+            # One more chunk from this tier: its bytes, and the request's latency if it is the tier's first.
+            load += estimate.seconds(self.chunk_nbytes) if count == 0 else self.chunk_nbytes / estimate.bytes_per_s
+            used[tier] = count + 1
+            saving = k * per_chunk - load
+            if not self.config.enabled or saving >= best_saving:  # ties: the longer prefix
+                best, best_saving, best_load = k, saving, load
+        recompute = best * per_chunk if best else 0.0
+        return LoadPlan(tiers, best, best_load, recompute)
+
+    def describe(self) -> dict[str, object]:
+        """The estimates now (for stats and benchmarks)."""
+        with self._lock:
+            return {
+                "enabled": self.config.enabled,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "prefill_measured": self._prefills,
+                **{
+                    name: {
+                        "latency_s": e.latency_s,
+                        "bytes_per_s": e.bytes_per_s,
+                        "lookups": e.lookups,
+                        "reads": e.reads,
+                    }
+                    for name, e in self.tiers.items()
+                },
+            }
+
+
+class PrefillClock:
+    """An engine's prefill rate, timed from one scheduler step to the next (the vLLM connector's).
+
+    ``step(tokens)`` is called as each step is scheduled, with the tokens it computes; the time
+    until the next call is that step's. Steps of fewer than ``min_tokens`` (decodes) are not
+    counted, nor a gap more than ``IDLE_FACTOR`` times what the rate so far predicts (the engine
+    sat idle), unless ``TRUST_AFTER`` such steps come in a row (the engine got slower). What a
+    step also waited for loads makes the rate look slower: the plan then errs towards loading.
+    ``planner`` None: nothing is measured (a TP rank without a store).
+    """
+
+    IDLE_FACTOR = 4.0
+    TRUST_AFTER = 3  # steps in a row beyond IDLE_FACTOR: the rate has changed, count them
+    MAX_GAP = 60.0  # seconds: a longer gap before any rate is known is idleness, not a step
+
+    def __init__(self, planner: LoadPlanner | None, min_tokens: int) -> None:
+        self.planner, self.min_tokens = planner, min_tokens
+        self._last: tuple[float, int] | None = None  # (when the previous step was scheduled, its tokens)
+        self._skipped = 0  # prefill steps in a row left out as idle
+
+    def step(self, tokens: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        last, self._last = self._last, (now, tokens)
+        if self.planner is None or last is None or last[1] < self.min_tokens:
+            return
+        seconds, rate = now - last[0], self.planner.measured_prefill
+        limit = self.IDLE_FACTOR * last[1] / rate if rate else self.MAX_GAP
+        if seconds > limit and self._skipped < self.TRUST_AFTER:
+            self._skipped += 1  # idle, or the engine got slower: a few such steps in a row say the latter
+            return
+        self._skipped = 0
+        if 0 < seconds <= self.MAX_GAP:
+            self.planner.observe_prefill(last[1], seconds)

@@ -1,0 +1,208 @@
+"""Load or recompute (kvstore.engine.planner): the arithmetic with explicit numbers, then real tiers.
+
+The slow tier is a real redis-server behind a proxy that delays each request or caps its
+bandwidth (kvstore.testing.slow_proxy): the proxy sleeps, so the slow side of each comparison is a
+lower bound on time, never a race. The prefill rate is pinned in the config.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+import torch
+
+from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.config import PlannerConfig
+from kvstore.devtools.servers import RedisServer
+from kvstore.engine.planner import DRAM, LoadPlanner, PrefillClock
+from kvstore.errors import ConfigError
+from kvstore.testing.slow_proxy import SlowProxy
+
+MB = 1_000_000
+
+
+def planner(prefill: float | None = 1000.0, enabled: bool = True) -> LoadPlanner:
+    """Chunks of 1 MB and 100 tokens: at 1000 tokens/s a chunk costs 0.1 s to recompute."""
+    return LoadPlanner(PlannerConfig(enabled=enabled, prefill_tokens_per_s=prefill), MB, 100, 10e9)
+
+
+def set_estimate(plan: LoadPlanner, tier: str, latency: float, bytes_per_s: float, local: bool = False) -> None:
+    estimate = plan.estimate(tier, local)
+    estimate.latency_s, estimate.bytes_per_s = latency, bytes_per_s
+
+
+# -- the arithmetic ------------------------------------------------------------------------------
+
+
+def test_a_slow_tier_s_chunks_are_recomputed_and_the_faster_ones_before_them_loaded():
+    plan = planner()
+    set_estimate(plan, "disk", 0.001, 1e9, local=True)  # 1 ms + 1 ms for the first chunk, 1 ms each after
+    set_estimate(plan, "s3", 0.05, 1e7)  # 50 ms + 100 ms for the first, 100 ms each after: recompute is 100
+    result = plan.plan([DRAM, DRAM, "disk", "s3", "s3"])
+    assert (result.held, result.load, result.recomputed) == (5, 3, 2)
+    assert result.load_seconds == pytest.approx(2 * MB / 10e9 + 0.002)
+    assert result.recompute_seconds == pytest.approx(0.3)
+
+
+def test_a_fast_enough_remote_tier_is_loaded_whole():
+    plan = planner()
+    set_estimate(plan, "s3", 0.01, 1e8)  # 20 ms for the first chunk, 10 ms each after: below 100 ms
+    result = plan.plan([DRAM, "s3", "s3", "s3"])
+    assert result.load == 4
+    assert result.load_seconds <= result.recompute_seconds
+
+
+def test_a_request_latency_worth_paying_only_over_several_chunks_loads_them_all():
+    """One chunk does not pay for a 150 ms request; three do (150 + 3 ms against 300 ms)."""
+    plan = planner()
+    set_estimate(plan, "s3", 0.15, 1e9)
+    assert plan.plan(["s3"]).load == 0
+    result = plan.plan(["s3", "s3", "s3"])
+    assert result.load == 3 and result.load_seconds == pytest.approx(0.153)
+
+
+def test_an_engine_that_has_not_measured_its_prefill_is_never_refused_a_hit():
+    plan = planner(prefill=None)
+    set_estimate(plan, "s3", 10.0, 1.0)  # absurdly slow
+    result = plan.plan(["s3", "s3"])
+    assert result.load == 2 and result.recompute_seconds == math.inf
+    plan.observe_prefill(1000, 1.0)  # now it has: 0.1 s a chunk
+    assert plan.prefill_tokens_per_s == 1000
+    assert plan.plan(["s3", "s3"]).load == 0
+
+
+def test_a_planner_turned_off_loads_every_held_chunk():
+    plan = planner(enabled=False)
+    set_estimate(plan, "s3", 10.0, 1.0)
+    assert plan.plan([DRAM, "s3", "s3"]).load == 3
+
+
+def test_the_estimates_start_from_the_first_measurement_and_then_move_by_an_ewma():
+    plan = planner()
+    plan.observe_read("s3", 0.2, MB, local=False)  # seeded latency 5 ms: 1 MB in 195 ms
+    estimate = plan.estimate("s3")
+    assert estimate.bytes_per_s == pytest.approx(MB / 0.195)
+    plan.observe_read("s3", 0.005 + 0.01, MB)  # 100 MB/s: the estimate moves 30% of the way
+    assert estimate.bytes_per_s == pytest.approx(0.7 * MB / 0.195 + 0.3 * 1e8)
+    assert estimate.reads == 2
+    plan.observe_read("s3", 1.0, 0)  # a read that timed out: nothing arrived
+    assert estimate.bytes_per_s < 0.71 * (0.7 * MB / 0.195 + 0.3 * 1e8)
+
+
+def test_the_prefill_clock_times_prefill_steps_and_leaves_out_decodes_and_idle_gaps():
+    plan = planner(prefill=None)
+    clock = PrefillClock(plan, min_tokens=100)
+    clock.step(512, now=10.0)
+    clock.step(1, now=10.5)  # the 512-token step took 0.5 s
+    assert plan.measured_prefill == pytest.approx(1024)
+    clock.step(1, now=10.6)  # a decode step took 0.1 s: not a prefill
+    clock.step(512, now=10.7)
+    clock.step(512, now=30.0)  # 19 s for 512 tokens: the engine sat idle
+    assert plan.measured_prefill == pytest.approx(1024)
+    for now in (40.0, 50.0, 60.0):  # ...unless it keeps happening: the engine did get slower
+        clock.step(512, now=now)
+    assert plan.measured_prefill < 1024
+    PrefillClock(None, 100).step(512)  # a rank without a store measures nothing (and does not fail)
+
+
+@pytest.mark.parametrize(
+    "section,problem",
+    [({"prefill_tokens_per_s": 0}, "greater than 0"), ({"enabled": "sometimes"}, "bool"), ({"rate": 1}, "rate")],
+)
+def test_bad_planner_settings_are_refused_with_the_setting_named(section, problem):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(planner=section)
+    assert "planner." in str(excinfo.value) and problem in str(excinfo.value), str(excinfo.value)
+
+
+# -- a store over real tiers ------------------------------------------------------------------------
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, chunk_tokens=128)  # 512 KiB
+
+
+def store_config(tmp_path, redis_port: int, prefix: str, *, disk: bool, prefill: float) -> StoreConfig:
+    redis = {"enabled": True, "url": f"redis://127.0.0.1:{redis_port}/0", "prefix": prefix, "codec": "identity"}
+    return StoreConfig(
+        dram={"capacity": "16MiB"},
+        disk={"enabled": disk, "path": tmp_path / "disk"},
+        redis=redis,
+        timeouts={"get": 10.0, "put": 10.0},
+        planner={"prefill_tokens_per_s": prefill},
+    )
+
+
+async def put_all(config: StoreConfig, tokens: list[int]) -> None:
+    """Put every chunk of ``tokens`` into each tier of ``config`` (a store of its own)."""
+    async with KVStore(config, LAYOUT, "planner-test") as store:
+        for index, key in enumerate(store.chunk_keys(tokens)):
+            await store.put(key, torch.full(LAYOUT.chunk_shape, float(index), dtype=LAYOUT.dtype))
+        await store.flush()
+
+
+@pytest.fixture
+def redis_proxy(redis_server: RedisServer):
+    with SlowProxy("127.0.0.1", redis_server.port) as proxy:
+        yield proxy
+
+
+async def test_a_bandwidth_starved_tier_is_recomputed_once_reads_have_measured_it(tmp_path, redis_proxy):
+    """Redis capped at 2 MB/s: a 512 KiB chunk takes >= 0.26 s to read; recompute (pinned) 0.05 s.
+
+    Before any read the planner trusts the seed and loads (lookups are not slowed); after two
+    warm-up reads it recomputes the Redis chunks and still loads the disk's.
+    """
+    prefix = f"planner-{uuid.uuid4().hex[:8]}"
+    prefill = LAYOUT.chunk_tokens / 0.05
+    document, other = list(range(1024)), list(range(5000, 5000 + 1024))  # 8 chunks each
+    for tokens in (document, other):
+        await put_all(store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=prefill), tokens)
+    # The disk holds the document's first 3 chunks only (a store of its own, disk alone).
+    disk_only = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk"})
+    async with KVStore(disk_only, LAYOUT, "planner-test") as store:
+        for index, key in enumerate(store.chunk_keys(document)[:3]):
+            await store.put(key, torch.full(LAYOUT.chunk_shape, float(index), dtype=LAYOUT.dtype))
+        await store.flush()
+
+    redis_proxy.bytes_per_s = 2e6
+    config = store_config(tmp_path, redis_proxy.port, prefix, disk=True, prefill=prefill)
+    async with KVStore(config, LAYOUT, "planner-test") as store:  # a fresh store: DRAM empty
+        keys = store.chunk_keys(document)
+        plan = await store.plan(keys)
+        assert plan.tiers == ("disk",) * 3 + ("redis",) * 5
+        assert plan.load == 8, "before any read, the seeds must not refuse a hit"
+        warm_up = store.chunk_keys(other)
+        for pair in (warm_up[:2], warm_up[2:4]):
+            results = await store.get_many(pair)
+            assert all(result is not None for result in results)
+        assert store.stats()["redis"]["hits"] == 4
+        plan = await store.plan(keys)
+        assert plan.tiers == ("disk",) * 3 + ("redis",) * 5
+        assert plan.load == 3, f"the measured Redis ({store.planner.describe()}) should have lost to recompute"
+        assert plan.load_seconds <= plan.recompute_seconds
+        # What the plan loads is what the store serves.
+        loaded = await store.get_many(keys[: plan.load])
+        assert [int(chunk[0, 0, 0, 0, 0]) for chunk in loaded] == [0, 1, 2]
+        assert store.stats()["disk"]["hits"] == 3
+
+
+async def test_a_tier_whose_every_request_is_delayed_is_recomputed_from_its_lookups_alone(tmp_path, redis_proxy):
+    """Each Redis request delayed 0.3 s; recompute (pinned) is 0.01 s a chunk: no read is needed to know."""
+    prefix = f"planner-{uuid.uuid4().hex[:8]}"
+    prefill = LAYOUT.chunk_tokens / 0.01
+    document = list(range(512))  # 4 chunks
+    await put_all(store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=prefill), document)
+    redis_proxy.delay = 0.3
+    config = store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=prefill)
+    async with KVStore(config, LAYOUT, "planner-test") as store:
+        keys = store.chunk_keys(document)
+        plan = await store.plan(keys)
+        assert (plan.held, plan.load) == (4, 0)
+        assert store.planner.estimate("redis").latency_s >= 0.3
+        # The same chunks in DRAM are loaded: a copy beats recompute.
+        for index, key in enumerate(keys[:2]):
+            await store.put(key, torch.full(LAYOUT.chunk_shape, float(index), dtype=LAYOUT.dtype))
+        plan = await store.plan(keys)
+        assert plan.tiers[:2] == (DRAM, DRAM) and plan.load == 2
+        assert await store.lookup(keys) == 4, "lookup still answers what is held"
