@@ -206,3 +206,29 @@ async def test_a_tier_whose_every_request_is_delayed_is_recomputed_from_its_look
         plan = await store.plan(keys)
         assert plan.tiers[:2] == (DRAM, DRAM) and plan.load == 2
         assert await store.lookup(keys) == 4, "lookup still answers what is held"
+
+
+async def test_a_tier_that_streams_slowly_is_measured_by_the_streams_themselves(tmp_path, redis_proxy):
+    """The connectors load through layer streams: their range requests measure the tier too.
+
+    Redis capped at 2 MB/s (a 512 KiB chunk >= 0.26 s; recompute pinned at 0.05 s): the seeds load
+    everything; after one stream of two other chunks, the Redis chunks are recomputed.
+    """
+    prefix = f"planner-{uuid.uuid4().hex[:8]}"
+    prefill = LAYOUT.chunk_tokens / 0.05
+    document, other = list(range(512)), list(range(5000, 5000 + 256))  # 4 chunks, 2 chunks
+    for tokens in (document, other):
+        await put_all(store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=prefill), tokens)
+    redis_proxy.bytes_per_s = 2e6
+    config = store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=prefill)
+    async with KVStore(config, LAYOUT, "planner-test") as store:
+        keys = store.chunk_keys(document)
+        assert (await store.plan(keys)).load == 4, "before any read, the seeds must not refuse a hit"
+        async with store.prefetch(store.chunk_keys(other)) as stream:
+            layers = [layer async for layer, _ in stream]
+        redis = next(tier for tier in store.tiers if tier.name == "redis")
+        assert layers == list(range(LAYOUT.num_layers)) and store.stats()["redis"]["hits"] == 2
+        assert sum(redis.latency.read.counts) == 0, "no batch read: only the stream measured the tier"
+        plan = await store.plan(keys)
+        assert plan.tiers == ("redis",) * 4
+        assert plan.load == 0, f"the streamed Redis ({store.planner.describe()}) should have lost to recompute"

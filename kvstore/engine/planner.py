@@ -6,9 +6,9 @@ bucket across a slow link can cost more to fetch than the engine takes to prefil
 
 - per tier, the **latency** of one request (an EWMA of the tier's lookups: a HEAD on S3, EXISTS
   on Redis, a stat on disk, which the store does on every ``lookup``) and its **throughput** in
-  chunk bytes per second (an EWMA of the batch reads ``get_many`` does, and of the loads a
-  connector reports through :meth:`observe_read`); each seeded from conservative defaults until
-  measured (:data:`SEED_LATENCY`, :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
+  chunk bytes per second (an EWMA of the batch reads ``get_many`` does, of the range requests
+  layer streams make, and of the loads a connector reports through :meth:`observe_read`); each
+  seeded from conservative defaults until measured (:data:`SEED_LATENCY`, :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
 - the engine's **prefill rate** in tokens per second: pinned by ``planner.prefill_tokens_per_s``,
   else an EWMA of what the connector measured of its own steps (:meth:`observe_prefill`). Until
   there is one, recompute is taken to cost without bound: an engine that has not measured yet is
@@ -109,6 +109,7 @@ class LoadPlanner:
         self.measured_prefill: float | None = None  # tokens/s, an EWMA of the engine's own steps
         self._prefills = 0
         self._seen: dict[str, tuple[int, float, int, float, int, int]] = {}  # per tier: counters read at the last sync
+        self._seen_spans: dict[str, tuple[int, float, int]] = {}  # per tier: stream range requests, seconds, bytes
         self._lock = threading.Lock()
 
     # -- estimates ---------------------------------------------------------------------------------
@@ -149,12 +150,16 @@ class LoadPlanner:
         """Fold in what ``tiers`` measured since the last sync (loop thread: the tiers' counters are its).
 
         Lookups (``tier.latency.lookup``) give the per-request latency; batch reads
-        (``tier.latency.read``, with ``tier.latency.read_chunks``) the throughput.
+        (``tier.latency.read``, with ``tier.latency.read_chunks``) and layer streams' range
+        requests (``tier.latency.span``, with ``span_bytes``) the throughput.
         """
         for tier in tiers:
             latency = tier.latency
-            lookup, read = latency.lookup, latency.read
+            lookup, read, span = latency.lookup, latency.read, latency.span
             now = (sum(lookup.counts), lookup.sum, sum(read.counts), read.sum, latency.read_chunks, tier.stats.timeouts)
+            spans = (sum(span.counts), span.sum, latency.span_bytes)
+            spans_before = self._seen_spans.get(tier.name, (0, 0.0, 0))
+            self._seen_spans[tier.name] = spans
             before = self._seen.get(tier.name, (0, 0.0, 0, 0.0, 0, 0))
             self._seen[tier.name] = now
             estimate = self.estimate(tier.name, tier.is_local)
@@ -168,6 +173,10 @@ class LoadPlanner:
                     batches = now[2] - before[2]
                     seconds, chunks = (now[3] - before[3]) / batches, (now[4] - before[4]) / batches
                     estimate.observe_read(seconds, int(chunks * self.chunk_nbytes))
+                if spans[0] > spans_before[0]:  # per range request: its seconds and its bytes
+                    requests = spans[0] - spans_before[0]
+                    seconds, nbytes = (spans[1] - spans_before[1]) / requests, (spans[2] - spans_before[2]) / requests
+                    estimate.observe_read(seconds, int(nbytes))
 
     # -- plans ----------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ read of an open file or a byte-range request, in whatever order the stream asks.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -16,7 +17,7 @@ from kvstore.errors import ChunkFormatError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.container import ChunkHeader, decode_layer, verify_segment
-from kvstore.storage.stats import TierStats
+from kvstore.storage.stats import TierLatency, TierStats
 from kvstore.util.threads import in_thread
 
 
@@ -27,6 +28,7 @@ class ReaderTier(Protocol):
     layout: KVLayout
     backend: Backend
     stats: TierStats
+    latency: TierLatency
     executor: Executor | None
 
     async def account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
@@ -112,7 +114,11 @@ class LayerReader:
         stop = base + segments[end - 1].offset + segments[end - 1].stored_len
         self._layers_fetched += end - first
         self._requested_end = max(self._requested_end, end)
+        started = time.perf_counter()
         data = await self.tier.backend.get(self.key, (start, stop))
+        if data is not None:  # the load planner's throughput of this tier (TierLatency.span)
+            self.tier.latency.span.observe(time.perf_counter() - started)
+            self.tier.latency.span_bytes += len(data)
         if data is None:
             raise ChunkFormatError(f"layer {first} vanished while the chunk was being read")
         if len(data) != stop - start:

@@ -66,3 +66,7 @@ class TierLatency:
     write: Histogram = field(default_factory=Histogram)
     lookup: Histogram = field(default_factory=Histogram)
     read_chunks: int = 0  # chunks the reads timed in ``read`` delivered (their throughput: kvstore.engine.planner)
+    # Layer streams' range requests to a remote tier, each timed, and the bytes they brought: the
+    # throughput of the reads connectors make (they load through streams), for kvstore.engine.planner.
+    span: Histogram = field(default_factory=Histogram)
+    span_bytes: int = 0
