@@ -214,6 +214,23 @@ class SlabPool:
         if freed:
             self._give_back(freed)
 
+    def has_spare(self, floor: int) -> bool:
+        """Whether more than ``floor`` slots could be reserved now (free, or holding an unreferenced chunk).
+
+        Background work that may wait (DRAM admissions) checks it so as to leave ``floor`` slots to
+        the engine's own puts and loads. Stops counting once past ``floor``.
+        """
+        with self._lock:
+            spare = len(self._free)
+            if spare > floor:
+                return True
+            for slot in self._index.values():
+                if self._refs[slot] == 0:
+                    spare += 1
+                    if spare > floor:
+                        return True
+            return False
+
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self._index

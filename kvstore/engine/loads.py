@@ -23,6 +23,9 @@ returns, the price of never letting a late write into memory the caller has take
 The chunks found are then admitted to DRAM (and queued for the faster tiers) off the caller's
 path: a background read of the same file, now in the page cache, into a fresh slot. Copying
 from the caller's buffers instead would trust memory the caller may already be changing.
+Admissions are extras: a few at a time (each holds a slot while it reads), only while the pool
+keeps a quarter of its slots free or evictable for the engine's own puts and loads, not counted
+again in the tier's hits, bytes or latency, and never blamed on its breaker.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from kvstore.engine.dram import SlabPool
 from kvstore.engine.operations import TierOperations
 from kvstore.errors import TierTimeout
 from kvstore.keys import ChunkKey
+from kvstore.storage.stats import Histogram
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.threads import WriteFence
 
@@ -94,6 +98,9 @@ class TierLoader:
         self.pool, self.tiers, self._operations, self._enqueue = pool, tiers, operations, enqueue
         self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
         self._admissions: set[asyncio.Task[None]] = set()  # background reads into DRAM after direct loads
+        # at most this many admissions hold a slot (reading) at once; the others wait without one
+        self._admitting = asyncio.Semaphore(max((t.parallel_reads for t in tiers if t.is_local), default=2))
+        self._closing = False  # set by cancel_admissions: no admission starts after it
         self.admitted = 0  # chunks read into callers' buffers, then admitted to DRAM
         self.admissions_dropped = 0  # ... not admitted: no slot free, or the admission read failed
 
@@ -231,13 +238,28 @@ class TierLoader:
 
         Whatever happens (a timeout, a cancellation), the buffers are closed to the reading
         threads before this returns: a thread still reading after the deadline writes no more.
+        A cancelled caller first cancels the read (``bounded`` only does so on a timeout), so
+        nothing it read is checked or counted after the caller has its buffers back.
         """
         fences = [WriteFence() for _ in group]
+        reading: list[asyncio.Task[list[bool]]] = []  # the read's task once it runs (bounded makes it)
+        stopped = False
+
+        async def read() -> list[bool]:
+            reading.append(asyncio.current_task())  # type: ignore[arg-type]
+            if stopped:  # cancelled before the task first ran
+                raise asyncio.CancelledError
+            return await tier.read_many_into([keys[i] for i in group], [outs[i] for i in group], fences)
+
         try:
-            read = tier.read_many_into([keys[i] for i in group], [outs[i] for i in group], fences)
-            return await self._operations.bounded(read, timeout, tier, tier.latency.read, blame=blame)
+            return await self._operations.bounded(read(), timeout, tier, tier.latency.read, blame=blame)
         except TierTimeout:
             return [False] * len(group)
+        except asyncio.CancelledError:
+            stopped = True
+            for task in reading:
+                task.cancel()
+            raise
         finally:
             for fence in fences:  # uncontended once the read has ended: no wait
                 await fence.close()
@@ -246,8 +268,12 @@ class TierLoader:
         """Admit a chunk just read into a caller's buffer to DRAM, in the background (see the module docstring).
 
         At most as many admissions wait as the pool has slots; beyond that one is dropped
-        (counted). Each takes its slot when it starts: none is held when the caller resumes. Non-blocking.
+        (counted). Each takes its slot when it starts reading, a few at a time (``_admitting``),
+        none while that would leave the pool under its reserve: none is held when the caller
+        resumes. None starts once the store is closing. Non-blocking.
         """
+        if self._closing:
+            return
         if len(self._admissions) >= self.pool.max_slots:
             self.admissions_dropped += 1
             return
@@ -256,19 +282,27 @@ class TierLoader:
         task.add_done_callback(self._admissions.discard)
 
     async def _admission(self, position: int, key: ChunkKey, timeout: float) -> None:
-        """Read ``key`` from tier ``position`` into a fresh slot, then publish it and queue it for the faster tiers."""
-        if self.pool.contains(key):
-            return  # a put, or another call, brought it meanwhile
-        slot = self.pool.reserve()
-        if slot is None:
-            self.admissions_dropped += 1
-            return
-        self.pool.retain(slot)  # the read's own reference: released only when the read ends
-        try:
-            outcomes = await self._read(self.tiers[position], [key], {0: slot}, timeout, blame=True)
-        except BaseException:  # (_read released the slot)
-            self.admissions_dropped += 1
-            raise
+        """Read ``key`` from tier ``position`` into a fresh slot, then publish it and queue it for the faster tiers.
+
+        Dropped (counted) when fewer than a quarter of the pool's slots would stay free or
+        evictable: the engine's next put or load must find a slot, not a pool held by admissions.
+        """
+        async with self._admitting:
+            if self.pool.contains(key):
+                return  # a put, or another call, brought it meanwhile
+            if not self.pool.has_spare(self.pool.num_slots // 4):
+                self.admissions_dropped += 1
+                return
+            slot = self.pool.reserve()
+            if slot is None:
+                self.admissions_dropped += 1
+                return
+            self.pool.retain(slot)  # the read's own reference: released only when the read ends
+            try:
+                outcomes = await self._read(self.tiers[position], [key], {0: slot}, timeout, blame=False, counted=False)
+            except BaseException:  # (_read released the slot)
+                self.admissions_dropped += 1
+                raise
         if not outcomes[0][1]:
             self.admissions_dropped += 1
             self.pool.release(slot)
@@ -288,8 +322,9 @@ class TierLoader:
     def cancel_admissions(self) -> None:
         """Stop the admissions under way (the store is closing); their slots are released as they end.
 
-        One not started yet never takes a slot.
+        One not started yet never takes a slot, and none is started from now on.
         """
+        self._closing = True
         for task in list(self._admissions):
             task.cancel()
 
@@ -305,18 +340,30 @@ class TierLoader:
         return reserved
 
     async def _read(
-        self, tier: ChunkTier, keys: list[ChunkKey], reserved: dict[int, int], timeout: float, blame: bool
+        self,
+        tier: ChunkTier,
+        keys: list[ChunkKey],
+        reserved: dict[int, int],
+        timeout: float,
+        blame: bool,
+        counted: bool = True,
     ) -> list[tuple[int, bool]]:
         """One batch read of ``tier`` into the reserved slots; per key, whether it was read (a timeout: none).
 
         ``blame``: a timeout counts against the tier's circuit breaker (it had a fair share of the call's time).
+        ``counted=False``: a re-read of chunks already counted (an admission): not in the tier's
+        hits, bytes or read latency (see :meth:`ChunkTier.account`).
         """
         order = list(reserved)
+        latency = tier.latency.read if counted else Histogram()
         try:
-            read = tier.read_many_into([keys[i] for i in order], [self.pool.buffer(reserved[i]) for i in order])
+            read = tier.read_many_into(
+                [keys[i] for i in order], [self.pool.buffer(reserved[i]) for i in order], counted=counted
+            )
             end_of_read = releaser(self.pool, [reserved[i] for i in order])
-            found = await self._operations.bounded(read, timeout, tier, tier.latency.read, end_of_read, blame=blame)
-            tier.latency.read_chunks += sum(found)  # the read's throughput, for the load planner
+            found = await self._operations.bounded(read, timeout, tier, latency, end_of_read, blame=blame)
+            if counted:
+                tier.latency.read_chunks += sum(found)  # the read's throughput, for the load planner
         except TierTimeout:
             found = [False] * len(order)
         except BaseException:

@@ -41,7 +41,7 @@ from kvstore.storage.container import (
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.storage.stats import TierLatency, TierStats
-from kvstore.util.threads import WriteFence, in_thread
+from kvstore.util.threads import FenceClosed, WriteFence, in_thread
 from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore.tier")
@@ -143,7 +143,11 @@ class ChunkTier:
         return results
 
     async def read_many_into(
-        self, keys: Sequence[ChunkKey], outs: Sequence[memoryview], fences: Sequence[WriteFence] | None = None
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[memoryview],
+        fences: Sequence[WriteFence] | None = None,
+        counted: bool = True,
     ) -> list[bool]:
         """Fill each ``outs[i]`` with ``keys[i]``; per key, False on a miss of any kind (absent, corrupt, error).
 
@@ -151,7 +155,8 @@ class ChunkTier:
         each slice in one thread call (a thread hop costs ~0.1 ms here, a warm 5 MB chunk read ~0.4 ms).
         ``fences`` (local tiers only): each write into ``outs[i]`` is made under ``fences[i]``, so
         a caller whose buffers these are can close them to the thread at its deadline.
-        A miss may leave ``outs[i]`` partly written.
+        ``counted=False``: a second read of chunks already counted (a DRAM admission after a read
+        into a caller's buffers), see :meth:`account`. A miss may leave ``outs[i]`` partly written.
         """
         if not keys:
             return []
@@ -166,17 +171,27 @@ class ChunkTier:
             *(self.backend.read_many(part, self.executor) for part in _split(reads, self.parallel_reads))
         )
         outcomes = [outcome for part in slices for outcome in part]
-        return [await self.account(key, outcome) for key, outcome in zip(keys, outcomes, strict=True)]
+        return [await self.account(key, outcome, counted) for key, outcome in zip(keys, outcomes, strict=True)]
 
-    async def account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
+    async def account(self, key: ChunkKey, outcome: int | None | BaseException, counted: bool = True) -> bool:
         """Count one read's outcome (bytes read, None for absent, or what it raised); True for a hit.
 
         A corrupt object is removed so it is not read again; a foreign one (written for another
         model layout, sealed under another encryption key, plain where this store encrypts, or
         in a codec this process lacks) is left alone for its owner. A cancellation is
-        re-raised, never counted.
+        re-raised, never counted. :class:`FenceClosed` (the caller stopped waiting, so the
+        thread stopped writing into its buffer) says nothing of the object or the tier: a
+        miss for that call, counted nowhere, never a corruption or a breaker failure.
+
+        ``counted=False`` (a re-read of a chunk already counted once): hits, bytes, misses and
+        errors are not counted again and never blamed on the tier's breaker; a corrupt object is
+        still counted and removed (the bytes checked were the file's, read into our own memory).
         """
+        if isinstance(outcome, FenceClosed):
+            return False
         if isinstance(outcome, ForeignChunkError):
+            if not counted:
+                return False
             self.stats.foreign += 1
             log.warning("%s tier: chunk %s cannot be opened here (%s)", self.name, key[:16], outcome)
             return False
@@ -185,6 +200,8 @@ class ChunkTier:
             return False
         if isinstance(outcome, asyncio.CancelledError):
             raise outcome
+        if not counted:
+            return isinstance(outcome, int)
         if isinstance(outcome, BaseException):  # I/O errors, a server gone: a miss, counted
             self.stats.errors += 1
             note_failure()  # the tier's fault, not the object's: its breaker counts it
@@ -238,15 +255,17 @@ class ChunkTier:
     ) -> None:
         """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot.
 
-        ``already`` leading layers were read together with the header.
+        ``already`` leading layers were read together with the header. Each batch is read and
+        checked under ``guard``: once the caller closes it, its buffer may hold the caller's new
+        bytes, which must never be checked as the file's (a false corruption would delete a good file).
         """
         step = self._require_layer_sized(header)
         for first in range(0, self.layout.num_layers, self._batch_layers):
             last = min(first + self._batch_layers, self.layout.num_layers)
-            if first >= already:
-                with guard:
+            with guard:
+                if first >= already:
                     file.readinto([out[first * step : last * step]], header.header_len + first * step)
-            verify_segments(header.segments, out, range(first, last))
+                verify_segments(header.segments, out, range(first, last))
 
     def _read_encoded(self, file: ObjectFile, header: ChunkHeader, out: memoryview, guard: Guard) -> None:
         step = self.layout.layer_nbytes
