@@ -517,14 +517,15 @@ def test_a_quantized_cache_is_refused_when_saved_with_the_alternative(tmp_path):
 def test_a_prefix_only_a_slow_tier_holds_is_recomputed_and_a_fast_tier_s_is_loaded(
     scenario, tmp_path, redis_server, monkeypatch
 ):
-    """The load planner (prefill pinned: 8 chunks recompute in 0.1 s). Redis behind a proxy that
-    delays every request 0.3 s loses to recompute, so the reply is the recompute's; the disk wins."""
-    planner = {"prefill_tokens_per_s": DOCUMENT_TOKENS / 0.1}
+    """The load planner (prefill pinned: 8 chunks recompute in 1 s). Redis behind a proxy that
+    delays every request 2 s loses to recompute, so the reply is the recompute's; the disk wins.
+    Margins of a second on either side: a busy machine cannot turn one answer into the other."""
+    planner = {"prefill_tokens_per_s": DOCUMENT_TOKENS / 1.0}
     with SlowProxy("127.0.0.1", redis_server.port) as proxy:
         redis = {"enabled": True, "url": f"redis://127.0.0.1:{proxy.port}/0", "prefix": f"hf-{uuid.uuid4().hex[:8]}"}
         slow = StoreConfig(dram={"capacity": "256MiB"}, disk={"enabled": False}, redis=redis, planner=planner)
         cache_the_first_request(scenario, slow)
-        proxy.delay = 0.3
+        proxy.delay = 2.0
         reply, stats = serve(scenario, slow, scenario.second)
     assert reply.tokens == scenario.second_reference.tokens
     assert stats["connector"]["recomputed_chunks"] == 8 and stats["connector"]["loaded_chunks"] == 0

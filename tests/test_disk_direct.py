@@ -26,7 +26,7 @@ from kvstore.keys import namespace_dir
 from kvstore.storage.container import encode_chunk
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import as_bytes_view, tensor_bytes
-from kvstore.util.threads import FenceClosed, WriteFence
+from kvstore.util.threads import FenceClosed, WriteFence, close_fences
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32)
 SENTINEL = 7.0  # what the caller's buffers hold before a call (no chunk here is all 7s)
@@ -202,6 +202,38 @@ async def test_a_fence_waits_for_the_write_in_progress_then_refuses_more() -> No
             buffer[1] = 1
     assert buffer[1] == 0
     thread.join()
+
+
+async def test_fences_closed_together_leave_no_buffer_written_even_when_cancelled() -> None:
+    """Two buffers, a write in progress in each: cancelling the close while it waits for the first
+    must still wait for the second (closing one fence at a time left the second being written)."""
+    fences = [WriteFence(), WriteFence()]
+    inside = [threading.Event(), threading.Event()]
+    finish = [threading.Event(), threading.Event()]
+    buffers = [bytearray(1), bytearray(1)]
+
+    def writer(i: int) -> None:
+        with fences[i]:
+            inside[i].set()
+            finish[i].wait(30)
+            buffers[i][0] = 1
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    assert all([await asyncio.to_thread(event.wait, 30) for event in inside])
+    closing = asyncio.create_task(close_fences(fences))
+    await asyncio.sleep(0.05)
+    closing.cancel()  # while it waits for the first write
+    finish[0].set()
+    await asyncio.sleep(0.05)
+    assert not closing.done(), "the second buffer is still being written"
+    finish[1].set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert buffers == [bytearray(b"\x01"), bytearray(b"\x01")]  # both writes ended before it returned
+    for thread in threads:
+        thread.join()
 
 
 async def test_get_many_with_non_contiguous_outs_still_goes_through_a_slot(tmp_path: Path) -> None:

@@ -50,6 +50,19 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     assert pair["batch_tokens"][0] == pair["batch_tokens"][1] != first["tokens"]
 
 
+def test_connector_recomputes_what_the_load_planner_finds_faster_to_compute(vllm_python, tiny_llama, tmp_path):
+    """The planner in the engine: with the prefill rate pinned beyond any load's speed, the prefix
+    kvstore holds (in DRAM) is recomputed, counted, and the tokens are the same."""
+    extra = disk_extra(tmp_path / "disk")
+    extra["kvstore_config"]["planner"] = {"prefill_tokens_per_s": 1e12}
+    report = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,reset,gen")
+    first, again = report["runs"]
+    stats = report["stats"]
+    assert again["cached_tokens"] == 0 and again["tokens"] == first["tokens"]
+    assert stats["scheduler"]["recomputed_chunks"] == REUSABLE_CHUNKS
+    assert stats["connector"]["loaded_chunks"] == 0 and stats["scheduler"]["hit_tokens"] == 0
+
+
 def test_connector_with_the_worker_in_its_own_process_reuses_chunks_only_its_dram_holds(
     vllm_python, tiny_llama, tmp_path
 ):

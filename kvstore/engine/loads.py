@@ -40,7 +40,7 @@ from kvstore.errors import TierTimeout
 from kvstore.keys import ChunkKey
 from kvstore.storage.stats import Histogram
 from kvstore.storage.tier import ChunkTier
-from kvstore.util.threads import WriteFence
+from kvstore.util.threads import WriteFence, close_fences
 
 log = logging.getLogger("kvstore")
 # (index of the key in the call, its slot: valid during the call only; None: read into the caller's buffer)
@@ -252,7 +252,9 @@ class TierLoader:
             return await tier.read_many_into([keys[i] for i in group], [outs[i] for i in group], fences)
 
         try:
-            return await self._operations.bounded(read(), timeout, tier, tier.latency.read, blame=blame)
+            found = await self._operations.bounded(read(), timeout, tier, tier.latency.read, blame=blame)
+            tier.latency.read_chunks += sum(found)  # the read's throughput, for the load planner
+            return found
         except TierTimeout:
             return [False] * len(group)
         except asyncio.CancelledError:
@@ -261,8 +263,7 @@ class TierLoader:
                 task.cancel()
             raise
         finally:
-            for fence in fences:  # uncontended once the read has ended: no wait
-                await fence.close()
+            await close_fences(fences)  # uncontended once the read has ended: no wait
 
     def _admit(self, position: int, key: ChunkKey, timeout: float) -> None:
         """Admit a chunk just read into a caller's buffer to DRAM, in the background (see the module docstring).

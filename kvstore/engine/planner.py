@@ -85,7 +85,8 @@ class TierEstimate:
 
     def observe_read(self, seconds: float, nbytes: int) -> None:
         """A read of ``nbytes`` that took ``seconds`` (0 bytes: a read that timed out or found nothing)."""
-        transfer = max(seconds - self.latency_s, seconds / 2, 1e-9)  # what the request's latency leaves
+        # What the request's latency leaves (a tenth of it at least: a latency sample above this read's).
+        transfer = max(seconds - self.latency_s, seconds / 10, 1e-9)
         self.bytes_per_s = max(1.0, _ewma(self.bytes_per_s, nbytes / transfer, self.reads))
         self.reads += 1
 
@@ -108,7 +109,7 @@ class LoadPlanner:
         self.tiers: dict[str, TierEstimate] = {}
         self.measured_prefill: float | None = None  # tokens/s, an EWMA of the engine's own steps
         self._prefills = 0
-        self._seen: dict[str, tuple[int, float, int, float, int, int]] = {}  # per tier: counters read at the last sync
+        self._seen: dict[str, tuple[int, float, int, float, int]] = {}  # per tier: counters read at the last sync
         self._seen_spans: dict[str, tuple[int, float, int]] = {}  # per tier: stream range requests, seconds, bytes
         self._lock = threading.Lock()
 
@@ -156,20 +157,20 @@ class LoadPlanner:
         for tier in tiers:
             latency = tier.latency
             lookup, read, span = latency.lookup, latency.read, latency.span
-            now = (sum(lookup.counts), lookup.sum, sum(read.counts), read.sum, latency.read_chunks, tier.stats.timeouts)
+            now = (sum(lookup.counts), lookup.sum, sum(read.counts), read.sum, latency.read_chunks)
             spans = (sum(span.counts), span.sum, latency.span_bytes)
             spans_before = self._seen_spans.get(tier.name, (0, 0.0, 0))
             self._seen_spans[tier.name] = spans
-            before = self._seen.get(tier.name, (0, 0.0, 0, 0.0, 0, 0))
+            before = self._seen.get(tier.name, (0, 0.0, 0, 0.0, 0))
             self._seen[tier.name] = now
             estimate = self.estimate(tier.name, tier.is_local)
             with self._lock:
                 if now[0] > before[0]:
                     estimate.observe_latency((now[1] - before[1]) / (now[0] - before[0]))
                 # Per batch read: its seconds and its chunks' bytes. Reads that found nothing say nothing
-                # of the throughput (a faster tier had the chunks), unless the tier timed out meanwhile.
-                found, timed_out = now[4] > before[4], now[5] > before[5]
-                if now[2] > before[2] and (found or timed_out):
+                # of the throughput (a faster tier had the chunks, or a timeout: of which read, the
+                # tier's counters do not say; its lookups' latency shows a tier that stopped answering).
+                if now[2] > before[2] and now[4] > before[4]:
                     batches = now[2] - before[2]
                     seconds, chunks = (now[3] - before[3]) / batches, (now[4] - before[4]) / batches
                     estimate.observe_read(seconds, int(chunks * self.chunk_nbytes))
@@ -195,7 +196,10 @@ class LoadPlanner:
             estimate = self.estimate(tier, True if local is None else local[k - 1])
             count = used.get(tier, 0)
             # One more chunk from this tier: its bytes, and the request's latency if it is the tier's first.
-            load += estimate.seconds(self.chunk_nbytes) if count == 0 else self.chunk_nbytes / estimate.bytes_per_s
+            # A tier none of whose reads was measured yet costs its latency only: a seed never refuses
+            # a hit (else the tier would never be read, and never measured).
+            transfer = self.chunk_nbytes / estimate.bytes_per_s if estimate.reads or tier == DRAM else 0.0
+            load += transfer + (estimate.latency_s if count == 0 else 0.0)
             used[tier] = count + 1
             saving = k * per_chunk - load
             if not self.config.enabled or saving >= best_saving:  # ties: the longer prefix

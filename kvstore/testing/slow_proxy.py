@@ -63,9 +63,13 @@ class SlowProxy:
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
-                server = socket.create_connection(self.target)
             except OSError:
                 return  # closed
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:  # the server is down: this client's connection fails, the proxy goes on
+                client.close()
+                continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import ParamSpec, TypeVar
 
@@ -85,6 +85,10 @@ class WriteFence:
     def __exit__(self, *exc_info: object) -> None:
         self._lock.release()
 
+    def shut(self) -> None:
+        """Let no write start from now on (non-blocking); :meth:`close` then waits for one in progress."""
+        self._closed = True
+
     async def close(self) -> None:
         """Close the fence; returns once no write into the buffer is in progress (non-blocking for the loop).
 
@@ -108,3 +112,21 @@ class WriteFence:
     def _wait_for_writer(self) -> None:
         with self._lock:
             pass
+
+
+async def close_fences(fences: Sequence[WriteFence]) -> None:
+    """Close every fence; returns once no write into any of their buffers is in progress.
+
+    All are shut first, so no write starts anywhere while this waits for those in progress; a
+    cancellation meanwhile is raised once every fence is closed (never with a buffer still written).
+    """
+    for fence in fences:
+        fence.shut()
+    cancelled = False
+    for fence in fences:
+        try:
+            await fence.close()
+        except asyncio.CancelledError:  # raised only once that fence's write has ended
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -35,9 +35,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # The engine tests check what is loaded and what it yields; whether a hit is worth loading is the
-# load-or-recompute planner's call, made from measured timings (tests/test_planner.py tests it):
-# off here, so a busy machine never turns an expected load into a recompute.
-os.environ.setdefault("KVSTORE_PLANNER__ENABLED", "false")
+# load-or-recompute planner's call, made from measured timings (tests/test_planner.py tests it).
+# Its prefill rate is pinned at 1 token/s here (a chunk "recomputes" in minutes: every hit is
+# loaded), so a busy machine never turns an expected load into a recompute; a test's own
+# kvstore_config may pin another.
+os.environ.setdefault("KVSTORE_PLANNER__PREFILL_TOKENS_PER_S", "1")
 
 
 def build_llm(args: argparse.Namespace) -> Any:

@@ -61,7 +61,7 @@ from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
-from kvstore.engine.planner import DRAM, LoadPlan, PrefillClock
+from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner, PrefillClock
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
@@ -92,7 +92,8 @@ class _Request:
     keys: list[ChunkKey]  # one per full chunk of the prompt
     prompt_tokens: int
     lookup: concurrent.futures.Future[LoadPlan] | None = None
-    found: int | None = None  # leading chunks worth loading (the store's plan), once the lookup is back
+    plan: LoadPlan | None = None  # where the store holds the leading chunks, once the lookup is back
+    decided: bool = False  # its chunks left to recompute are counted (once)
     local_tokens: int = 0  # what vLLM's own prefix cache had, as last told
     next_save: int = 0  # chunks before this one are in the store or queued for it
     block_ids: list[list[int]] = field(default_factory=list)  # the block table of each vLLM KV cache group
@@ -168,9 +169,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # be another process, whose DRAM the scheduler's lookups cannot see.
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._saved_limit = max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes)
-        self._prefill_clock = PrefillClock(
-            self.store.store.planner if self.store is not None else None, self.chunk_tokens
-        )
+        # The prefill rate, timed from this scheduler's steps: only when a step's scheduling follows
+        # the one before it having run (with async scheduling, vLLM's GPU default, the next step is
+        # scheduled as the last is submitted: no time between them to measure). Else pin it:
+        # planner.prefill_tokens_per_s.
+        timed = self.store is not None and not vllm_config.scheduler_config.async_scheduling
+        self._prefill_clock = PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens)
         # worker side
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
@@ -208,10 +212,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         usable = min(len(state.keys), (state.prompt_tokens - 1) // self.chunk_tokens)
         if usable * self.chunk_tokens <= num_computed_tokens:
             return 0, False  # nothing to load beyond vLLM's own cache (the lookup goes on, for saves)
-        found = self._found(state)
-        if found is None:
+        plan = self._found(state)
+        if plan is None:
             return None, False  # vLLM asks again next step; the scheduler never waits on I/O
-        matched = min(found, usable) * self.chunk_tokens
+        # Only what vLLM lacks is loaded: the plan weighs the held chunks from its first missing one.
+        start, held = num_computed_tokens // self.chunk_tokens, min(plan.held, usable)
+        load = start + self._planner().plan(plan.tiers[start:held]).load if held > start else 0
+        if not state.decided:
+            state.decided = True
+            self.counters["recomputed_chunks"] += max(0, held - max(load, start))
+        state.next_save = min(state.next_save, max(load, start))  # what it recomputes is saved again
+        matched = load * self.chunk_tokens
         # Hybrid models load whole prefixes asynchronously (vLLM takes their failures per request).
         return max(0, matched - num_computed_tokens), self.hybrid and matched > num_computed_tokens
 
@@ -224,7 +235,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         recent = 0
         while recent < len(keys) and keys[recent] in self._saved:
             recent += 1
-        planner = self._held_store().store.planner
+        planner = self._planner()
         total: concurrent.futures.Future[LoadPlan] = concurrent.futures.Future()
         if recent == len(keys):
             total.set_result(planner.plan([DRAM] * recent))
@@ -233,26 +244,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         def add_recent(rest: concurrent.futures.Future[LoadPlan]) -> None:
             if rest.exception() is not None:
                 total.set_exception(rest.exception())  # type: ignore[arg-type]
-            else:
-                tiers = [DRAM] * recent + list(rest.result().tiers)
-                total.set_result(planner.plan(tiers))  # (the store's plan has seeded every tier's estimate)
+            else:  # the tiers matter (get_num_new_matched_tokens plans what vLLM lacks), not this load
+                total.set_result(planner.plan([DRAM] * recent + list(rest.result().tiers)))
 
         self._held_store().plan_future(keys[recent:]).add_done_callback(add_recent)
         return total
 
-    def _found(self, state: _Request) -> int | None:
-        """The lookup's answer (None while it is out); a failed lookup is a miss."""
-        if state.found is None and state.lookup is not None and state.lookup.done():
+    def _found(self, state: _Request) -> LoadPlan | None:
+        """The lookup's plan (None while it is out); a failed lookup is a miss."""
+        if state.plan is None and state.lookup is not None and state.lookup.done():
             try:
-                plan = state.lookup.result()
-                state.found = plan.load
-                self.counters["recomputed_chunks"] += plan.recomputed
+                state.plan = state.lookup.result()
             except Exception as exc:
                 self.counters["lookup_errors"] += 1
                 log.warning("kvstore lookup failed (the prompt is computed instead): %r", exc)
-                state.found = 0
-            state.next_save = max(state.next_save, state.found)
-        return state.found
+                state.plan = LoadPlan((), 0, 0.0, 0.0)
+            state.next_save = max(state.next_save, state.plan.held)  # held chunks are not saved again
+        return state.plan
+
+    def _planner(self) -> LoadPlanner:
+        return self._held_store().store.planner
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
