@@ -523,7 +523,9 @@ def test_a_prefix_only_a_slow_tier_holds_is_recomputed_and_a_fast_tier_s_is_load
     planner = {"prefill_tokens_per_s": DOCUMENT_TOKENS / 1.0}
     with SlowProxy("127.0.0.1", redis_server.port) as proxy:
         redis = {"enabled": True, "url": f"redis://127.0.0.1:{proxy.port}/0", "prefix": f"hf-{uuid.uuid4().hex[:8]}"}
-        slow = StoreConfig(dram={"capacity": "256MiB"}, disk={"enabled": False}, redis=redis, planner=planner)
+        slow = StoreConfig(  # a lookup may take its 2 s: the planner, not the timeout, must refuse the tier
+            dram={"capacity": "256MiB"}, disk={"enabled": False}, redis=redis, planner=planner, timeouts={"get": 30.0}
+        )
         cache_the_first_request(scenario, slow)
         proxy.delay = 2.0
         reply, stats = serve(scenario, slow, scenario.second)
