@@ -35,12 +35,16 @@ HOST = "127.0.0.1"
 
 
 def free_port(avoid: set[int] | None = None) -> int:
-    """A TCP port nobody listens on now (and whose +10000 gRPC twin is free too, for SeaweedFS)."""
+    """A TCP port nobody listens on now (and whose +10000 twin is free too: SeaweedFS's gRPC port,
+    a Redis Cluster node's bus port). ``avoid``: ports already handed to servers not started yet;
+    neither the port nor its twin may be one of them or one of their twins."""
+    avoid = avoid or set()
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind((HOST, 0))
             port = probe.getsockname()[1]
-        if port + 10000 < 65536 and (avoid is None or port not in avoid) and _port_free(port + 10000):
+        clashes = {port, port + 10000, port - 10000} & avoid
+        if port + 10000 < 65536 and not clashes and _port_free(port + 10000):
             return port
     raise ServerError("no free TCP port found on 127.0.0.1")
 
