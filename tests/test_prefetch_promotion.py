@@ -130,6 +130,7 @@ async def test_streams_over_as_many_chunks_as_slots_leave_half_the_pool_to_puts(
             for layer in range(1, LAYOUT.num_layers):
                 assert same(await first.layer(layer), expected_layer(chunks[:2], layer))
                 assert same(await second.layer(layer), expected_layer(chunks[2:], layer))
+        await store.flush()  # the puts' disk writes hold their slots until done
         stats = store.stats()["store"]
         assert stats["stream_promoted"] == 2 and stats["stream_promotions_dropped"] == 2
         assert all(store.pool.contains(key) for key in hot) and sum(store.pool.contains(key) for key in keys) == 2
@@ -143,6 +144,7 @@ async def test_a_full_pool_still_promotes_evicting_within_half_of_it(tmp_path):
         hot = keys_of(store, 3, seed=1)
         for index, key in enumerate(hot):  # three published chunks, one free slot
             assert await store.put(key, chunk(10 + index))
+        await store.flush()  # their disk writes done: none is referenced, each may be evicted
         await stream_all(store, keys, chunks)  # the free slot, then one eviction: half the pool
         stats = store.stats()["store"]
         assert stats["stream_promoted"] == 2 and stats["stream_promotions_dropped"] == 1
