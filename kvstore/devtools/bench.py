@@ -346,38 +346,22 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
 
             base, mine = await _best_pair(raw_write, put_flush, repeats)
             rows.append(Row(name, "disk put+flush", total, mine, base, f"{raw_label} (freed pages)"))
-            os.sync()  # let writeback finish: it would steal memory bandwidth from the read measurements
-            for cold in (False, True):
-                label = "cold" if cold else "warm"
-                base, mine = await _best_pair(partial(raw.read, out_bytes, cold), partial(get_many, cold), repeats)
-                rows.append(
-                    Row(
-                        name,
-                        f"disk get_many ({label})",
-                        total,
-                        mine,
-                        base,
-                        f"{RAW_THREADS} threads, readinto ({label})",
-                    )
-                )
+
+            async def read_rows(operation: str, read: Callable[[bool], Awaitable[float]]) -> None:
+                """``read`` against raw reads of the same bytes, page cache warm then cold: two rows."""
+                os.sync()  # let writeback finish: it would steal memory bandwidth from the read measurements
+                for cold in (False, True):
+                    label = "cold" if cold else "warm"
+                    base, mine = await _best_pair(partial(raw.read, out_bytes, cold), partial(read, cold), repeats)
+                    baseline = f"{RAW_THREADS} threads, readinto ({label})"
+                    rows.append(Row(name, f"{operation} ({label})", total, mine, base, baseline))
+
+            await read_rows("disk get_many", get_many)
             _check(outs, sources)
             await clear()
             base, mine = await _best_pair(raw_write, tier_write, repeats)
             rows.append(Row(name, "internal: tier write", total, mine, base, f"{raw_label} (freed pages)"))
-            os.sync()
-            for cold in (False, True):
-                label = "cold" if cold else "warm"
-                base, mine = await _best_pair(partial(raw.read, out_bytes, cold), partial(tier_read, cold), repeats)
-                rows.append(
-                    Row(
-                        name,
-                        f"internal: tier read ({label})",
-                        total,
-                        mine,
-                        base,
-                        f"{RAW_THREADS} threads, readinto ({label})",
-                    )
-                )
+            await read_rows("internal: tier read", tier_read)
             _check(outs, sources)
     return rows
 

@@ -309,9 +309,8 @@ class TierLoader:
             self.pool.release(slot)
             return
         try:
-            if self.pool.publish(slot, key):
+            if self.promote(position, key, slot):
                 self.admitted += 1
-                self._enqueue(self.tiers[:position], key, slot)
         finally:
             self.pool.release(slot)
 
@@ -373,13 +372,21 @@ class TierLoader:
             raise
         return list(zip(order, found, strict=True))
 
+    def promote(self, position: int, key: ChunkKey, slot: int) -> bool:
+        """Publish a chunk read whole and verified from tier ``position`` into ``slot``, and queue it
+        for the faster tiers; False if DRAM already held the key (nothing queued). Non-blocking; the
+        caller keeps (and later releases) its reference to the slot."""
+        if not self.pool.publish(slot, key):
+            return False
+        self._enqueue(self.tiers[:position], key, slot)
+        return True
+
     def _take(self, position: int, key: ChunkKey, slot: int, deliver: Deliver, i: int) -> bool:
         """A chunk read into ``slot``: published (and queued for the faster tiers), delivered; the slot released.
 
         False only if the read's slot was not published and no copy of the key is in DRAM either.
         """
-        if self.pool.publish(slot, key):
-            self._enqueue(self.tiers[:position], key, slot)
+        if self.promote(position, key, slot):
             try:
                 deliver(i, slot)
             finally:

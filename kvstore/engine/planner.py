@@ -8,7 +8,8 @@ bucket across a slow link can cost more to fetch than the engine takes to prefil
   on Redis, a stat on disk, which the store does on every ``lookup``) and its **throughput** in
   chunk bytes per second (an EWMA of the batch reads ``get_many`` does, of the range requests
   layer streams make, and of the loads a connector reports through :meth:`observe_read`); each
-  seeded from conservative defaults until measured (:data:`SEED_LATENCY`, :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
+  seeded from conservative defaults until measured (:data:`SEED_LATENCY`,
+  :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
 - the engine's **prefill rate** in tokens per second: pinned by ``planner.prefill_tokens_per_s``,
   else an EWMA of what the connector measured of its own steps (:meth:`observe_prefill`). Until
   there is one, recompute is taken to cost without bound: an engine that has not measured yet is

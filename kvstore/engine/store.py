@@ -445,13 +445,12 @@ class KVStore:
         if slot is None or self._state != "open":
             self._counters["stream_promotions_dropped"] += 1
             return
-        if not self.pool.publish(slot, key):
+        position = next(i for i, held in enumerate(self.tiers) if held is tier)
+        drops = sum(held.stats.drops for held in self.tiers[:position])
+        if not self._loader.promote(position, key, slot):
             return  # a put (or another stream) of the same key landed meanwhile: DRAM has it
         self._counters["stream_promoted"] += 1
-        faster = self.tiers[: next(i for i, held in enumerate(self.tiers) if held is tier)]
-        drops = sum(held.stats.drops for held in faster)
-        self._enqueue(faster, key, slot)
-        self._counters["stream_promotions_dropped"] += sum(held.stats.drops for held in faster) - drops
+        self._counters["stream_promotions_dropped"] += sum(held.stats.drops for held in self.tiers[:position]) - drops
 
     # -- adaptive sizing (what auto mode may read and change: kvstore.sizing.adaptive.SizingTarget) ----
 
