@@ -27,8 +27,6 @@ planes' size, and nothing may follow it, else CodecError.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import zstandard
 
@@ -51,7 +49,6 @@ class BytePlanesCodec(ArrayBytesCodec):
     def __init__(self, level: int | None = None) -> None:
         super().__init__(level)  # takes no level: the zstd parameters are part of what the name means
         self._contexts = ZstdContexts(self.name, 1, HIGH_PLANE_ZSTD)
-        self._scratch = threading.local()  # per worker thread: a 16-bit work array, reused across segments
 
     @staticmethod
     def _widths(spec: SegmentSpec) -> tuple[int, int, int]:
@@ -59,13 +56,6 @@ class BytePlanesCodec(ArrayBytesCodec):
         itemsize = spec.itemsize
         low_width = itemsize // 2
         return spec.nbytes // itemsize, low_width, itemsize - low_width
-
-    def _work_array(self, count: int) -> np.ndarray:
-        """A 16-bit scratch array of ``count`` values for this thread (grown, never shrunk)."""
-        scratch: np.ndarray | None = getattr(self._scratch, "array", None)
-        if scratch is None or scratch.size < count:
-            scratch = self._scratch.array = np.empty(count, dtype=_U16)
-        return scratch[:count]
 
     def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
         """The segment's planes (blocking): raw low planes, then the zstd frame of the high planes."""
@@ -76,9 +66,9 @@ class BytePlanesCodec(ArrayBytesCodec):
         low_bytes = count * low_width
         if low_width == 1:  # 2-byte values: shifts and casts, no strided copies
             values = raw.view(_U16)
-            work = self._work_array(count)
-            np.right_shift(values, 8, out=work)
-            frame = self._contexts.compressor().compress(work.astype(np.uint8))
+            high = np.empty(count, dtype=np.uint8)
+            np.right_shift(values, 8, out=high, casting="unsafe")  # the high byte of each value
+            frame = self._contexts.compressor().compress(high)
             out = np.empty(low_bytes + len(frame), dtype=np.uint8)
             np.copyto(out[:low_bytes], values, casting="unsafe")  # the low byte of each value
         else:

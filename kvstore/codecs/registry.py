@@ -40,7 +40,14 @@ ENTRY_POINT_GROUP = "kvstore.codecs"
 MAX_CODEC_NAME = 64  # of a whole pipeline name, as chunk headers store it
 DEFAULT_REMOTE_CODEC = "byteplanes"  # bytesplit's successor: faster, same ratio (bytesplit chunks still decode)
 
-BUILTIN_CODECS: tuple[type[Codec], ...] = (IdentityCodec, ZstdCodec, Lz4Codec, ByteSplitCodec, BytePlanesCodec, Fp8Codec)
+BUILTIN_CODECS: tuple[type[Codec], ...] = (
+    IdentityCodec,
+    ZstdCodec,
+    Lz4Codec,
+    ByteSplitCodec,
+    BytePlanesCodec,
+    Fp8Codec,
+)
 CODECS: Mapping[str, type[Codec]] = MappingProxyType({codec.name: codec for codec in BUILTIN_CODECS})
 """The built-in stages by name; :func:`available_codecs` lists third-party ones too."""
 

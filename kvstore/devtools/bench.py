@@ -54,7 +54,7 @@ TARGETS = {
     "disk get_many (cold)": 0.8,
 }
 RAW_THREADS = 2  # the raw file baselines' threads: what a careful engineer would use on this 2-core machine
-CODECS = ["zstd", "lz4", "bytesplit", "fp8", "fp8+zstd"]
+CODECS = ["zstd", "lz4", "byteplanes", "bytesplit", "fp8", "fp8+zstd"]
 
 
 @dataclass
