@@ -103,9 +103,8 @@ class BytePlanesCodec(ArrayBytesCodec):
         target = np.frombuffer(as_bytes_view(out), dtype=np.uint8)
         if low_width == 1:  # 2-byte values: value = high << 8 | low, in place
             values = target.view(_U16)
-            np.copyto(values, high_planes)
-            values <<= 8
-            values |= low_planes
+            np.left_shift(high_planes, 8, out=values, dtype=_U16)
+            np.bitwise_or(values, low_planes, out=values)
         else:
             rows = target.reshape(count, low_width + high_width)
             np.copyto(rows[:, low_width:], high_planes.reshape(high_width, count).T)
