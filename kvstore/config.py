@@ -37,7 +37,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvstore.codecs import make_codec
+from kvstore.codecs import DEFAULT_REMOTE_CODEC, make_codec
 from kvstore.errors import ConfigError
 from kvstore.util import units
 
@@ -113,7 +113,9 @@ class DiskConfig(_Section):
 class _RemoteSection(_Section):
     enabled: bool = False
     prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
-    codec: str = Field("bytesplit", description="codec pipeline at this boundary, e.g. 'bytesplit' or 'fp8+zstd'")
+    codec: str = Field(
+        DEFAULT_REMOTE_CODEC, description="codec pipeline at this boundary, e.g. 'byteplanes' or 'fp8+zstd'"
+    )
     connect_timeout: Duration = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
 
     @field_validator("codec")

@@ -45,6 +45,8 @@ def test_run_remote_returns_a_row_per_target_and_operation_and_codec_rows(real_k
             assert 0.99 < codec_row.ratio <= 1.0  # the container header is the only overhead
         if codec_row.codec in ("bytesplit", "fp8", "fp8+zstd"):
             assert codec_row.ratio > 1.2, codec_row
+        if codec_row.codec == "byteplanes":  # the default remote codec: >= 1.44x on this sample, less the header
+            assert codec_row.ratio > 1.4, codec_row
 
 
 def test_cli_prints_the_remote_tables() -> None:
@@ -53,9 +55,14 @@ def test_cli_prints_the_remote_tables() -> None:
     assert result.exit_code == 0, result.output
     for operation in ("redis put+flush", "redis get_many", "moto put+flush", "moto get_many"):
         assert re.search(rf"{re.escape(operation)}\s*│\s*\d+\s*│", result.output), result.output
-    assert len(re.findall(r"\d+\.\d\dx", result.output)) == 6  # the internal put rows too
+    # the internal put rows too, and each codec row's get against identity's
+    assert len(re.findall(r"\d+\.\d\dx", result.output)) == 6 + 2 * len(REMOTE_CODECS)
     bytesplit = re.findall(r"bytesplit\s*│\s*yes\s*│\s*(\d+\.\d+)", result.output)
     assert len(bytesplit) == 2 and all(float(ratio) > 1 for ratio in bytesplit), result.output
+    identity = re.findall(r"identity\s*│\s*yes\s*│.*│\s*1\.00x", result.output)
+    byteplanes = re.findall(r"byteplanes\s*│\s*yes\s*│\s*(\d+\.\d+)\s*│.*│\s*\d+\.\d\dx", result.output)
+    assert len(identity) == 2 and len(byteplanes) == 2, result.output
+    assert all(float(ratio) > 1.4 for ratio in byteplanes), result.output
 
 
 def test_remote_names() -> None:

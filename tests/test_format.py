@@ -32,8 +32,8 @@ from kvstore.util.buffers import tensor_bytes
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, chunk_tokens=16)  # 1 KiB per layer
 KEY, OTHER_KEY = chunk_keys(list(range(32)), LAYOUT, "format-tests")
-LOSSLESS = ["identity", "zstd", "zstd:3", "lz4", "bytesplit", "bytesplit:3", "bytesplit+lz4", "zstd+lz4"]
-FUZZ_CODECS = ["identity", "zstd", "lz4", "bytesplit", "bytesplit+lz4", "fp8+zstd"]
+LOSSLESS = ["identity", "zstd", "zstd:3", "lz4", "bytesplit", "bytesplit:3", "bytesplit+lz4", "zstd+lz4", "byteplanes"]
+FUZZ_CODECS = ["identity", "zstd", "lz4", "bytesplit", "bytesplit+lz4", "byteplanes", "fp8+zstd"]
 
 # The documented fixed part: magic, version, flags, header_len, fingerprint, key, tokens, layers, codec length.
 FIXED = struct.Struct("<8sHHI16s32sIIH")
@@ -143,7 +143,7 @@ def test_lossy_round_trip_matches_the_codec():
     assert not torch.equal(bits(out), bits(CHUNK)), "fp8 is lossy: a bit-exact result means it did nothing"
 
 
-@pytest.mark.parametrize("name", ["identity", "bytesplit", "zstd", "bytesplit+lz4"])
+@pytest.mark.parametrize("name", ["identity", "bytesplit", "zstd", "bytesplit+lz4", "byteplanes"])
 def test_round_trip_of_a_real_chunk(real_kv, name):
     layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # SmolLM2-135M
     key = chunk_keys(list(range(256)), layout, "smollm2")[0]

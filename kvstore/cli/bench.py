@@ -80,16 +80,24 @@ def ratio_table(title: str, rows: Sequence[Row], unit: str) -> Table:
 
 
 def codec_table(title: str, rows: Sequence[CodecRow], remote: bool) -> Table:
-    """One row per codec (and server, for ``remote`` rows): ratio and MB/s each way; in memory, also the error."""
+    """One row per codec (and server, for ``remote`` rows): ratio and MB/s each way; in memory, also the error.
+
+    Remote rows also give each get's speed as a share of the same server's identity get (raw KV), same run.
+    """
     if remote:
-        columns = ["server", "codec", "lossless", "ratio", "put MB/s of KV", "get MB/s of KV"]
+        columns = ["server", "codec", "lossless", "ratio", "put MB/s of KV", "get MB/s of KV", "get vs identity"]
     else:
         columns = ["codec", "lossless", "ratio", "encode MB/s", "decode MB/s", "error"]
     table = make_table(title, columns, left=("server", "codec", "lossless", "error"))
+    identity_get = {row.server: row.get_mbps for row in rows if row.codec == "identity"}
     for row in rows:
         figures = [row.codec, "yes" if row.lossless else "no", f"{row.ratio:.3f}", f"{row.put_mbps:.0f}"]
         figures.append(f"{row.get_mbps:.0f}")
-        table.add_row(*([row.server, *figures] if remote else [*figures, row.error]))
+        if remote:
+            base = identity_get.get(row.server)
+            table.add_row(row.server, *figures, f"{row.get_mbps / base:.2f}x" if base else "")
+        else:
+            table.add_row(*figures, row.error)
     return table
 
 

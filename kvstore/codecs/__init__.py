@@ -1,7 +1,8 @@
 """Codecs, selected by name in config: ``"identity"``, ``"zstd:3"``, ``"bytesplit"``, ``"fp8+zstd"``.
 
-Lossless: identity, zstd, lz4, bytesplit (bit-exact). Lossy: fp8 (per-channel e4m3).
-The default for remote tiers is ``bytesplit``, the best lossless codec measured on real KV.
+Lossless: identity, zstd, lz4, byteplanes, bytesplit (bit-exact). Lossy: fp8 (per-channel e4m3).
+The default for remote tiers is ``byteplanes``, the best lossless codec measured on real KV
+(``bytesplit``, the earlier default, stays for the chunks written with it).
 
 - :mod:`~kvstore.codecs.base`: the typed stages (array→array, array→bytes, bytes→bytes) and ``SegmentSpec``;
 - :mod:`~kvstore.codecs.pipeline`: ``CodecPipeline``, whose stage order is checked when it is built;
@@ -21,6 +22,7 @@ from kvstore.codecs.base import (
     StageKind,
     roundtrip_error,
 )
+from kvstore.codecs.byteplanes import BytePlanesCodec
 from kvstore.codecs.bytesplit import ByteSplitCodec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.identity import IdentityCodec
@@ -46,6 +48,7 @@ __all__ = [
     "MAX_CODEC_NAME",
     "ArrayArrayCodec",
     "ArrayBytesCodec",
+    "BytePlanesCodec",
     "ByteSplitCodec",
     "BytesBytesCodec",
     "Codec",

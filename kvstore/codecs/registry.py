@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from kvstore.codecs.base import Codec, stage_kind
+from kvstore.codecs.byteplanes import BytePlanesCodec
 from kvstore.codecs.bytesplit import ByteSplitCodec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.identity import IdentityCodec
@@ -37,9 +38,16 @@ from kvstore.codecs.zstd import ZstdCodec
 
 ENTRY_POINT_GROUP = "kvstore.codecs"
 MAX_CODEC_NAME = 64  # of a whole pipeline name, as chunk headers store it
-DEFAULT_REMOTE_CODEC = "bytesplit"
+DEFAULT_REMOTE_CODEC = "byteplanes"  # bytesplit's successor: faster, same ratio (bytesplit chunks still decode)
 
-BUILTIN_CODECS: tuple[type[Codec], ...] = (IdentityCodec, ZstdCodec, Lz4Codec, ByteSplitCodec, Fp8Codec)
+BUILTIN_CODECS: tuple[type[Codec], ...] = (
+    IdentityCodec,
+    ZstdCodec,
+    Lz4Codec,
+    ByteSplitCodec,
+    BytePlanesCodec,
+    Fp8Codec,
+)
 CODECS: Mapping[str, type[Codec]] = MappingProxyType({codec.name: codec for codec in BUILTIN_CODECS})
 """The built-in stages by name; :func:`available_codecs` lists third-party ones too."""
 

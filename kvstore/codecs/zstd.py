@@ -14,18 +14,28 @@ MIN_LEVEL, MAX_LEVEL = -7, 22
 
 
 class ZstdContexts:
-    """Compressor and decompressor for one level, one pair per worker thread (they are not thread-safe)."""
+    """Compressor and decompressor for one level, one pair per worker thread (they are not thread-safe).
 
-    def __init__(self, codec: str, level: int | None) -> None:
+    ``parameters``, when given, replace the level's own (a codec tuned for its data says so here).
+    """
+
+    def __init__(
+        self, codec: str, level: int | None, parameters: zstandard.ZstdCompressionParameters | None = None
+    ) -> None:
         if level is None or not MIN_LEVEL <= level <= MAX_LEVEL:
             raise ValueError(f"{codec} level must be between {MIN_LEVEL} and {MAX_LEVEL}, got {level}")
         self.level = level
+        self.parameters = parameters
         self._local = threading.local()
 
     def compressor(self) -> zstandard.ZstdCompressor:
         compressor = getattr(self._local, "compressor", None)
         if compressor is None:
-            compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
+            if self.parameters is None:
+                compressor = zstandard.ZstdCompressor(level=self.level)
+            else:
+                compressor = zstandard.ZstdCompressor(compression_params=self.parameters)
+            self._local.compressor = compressor
         return compressor
 
     def decompressor(self) -> zstandard.ZstdDecompressor:

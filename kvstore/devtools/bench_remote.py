@@ -50,7 +50,7 @@ from kvstore.util.units import MB, per_second
 REMOTES = ("redis", "moto", "seaweedfs")
 CONCURRENCY = 4  # requests in flight, kvstore and raw client alike (the store's io_threads default)
 TARGET = 0.9
-REMOTE_CODECS = ["identity", "bytesplit", "zstd", "fp8", "fp8+zstd"]
+REMOTE_CODECS = ["identity", "byteplanes", "bytesplit", "zstd", "fp8", "fp8+zstd"]
 CODEC_MIB = 64  # logical MiB per codec measurement (at most --mib): 5 codecs x 3 servers must stay quick
 BUCKET = "kvstore-bench"
 S3_DEFAULTS = S3Config()  # the S3 tier's multipart threshold and part size, as a user gets them
@@ -453,35 +453,56 @@ async def bench_codecs_remote(
     executor: ThreadPoolExecutor,
     codecs: Sequence[str] = REMOTE_CODECS,
 ) -> list[CodecRow]:
-    """Every codec through the tier on real KV (``mib`` MiB of it): stored size and logical MB/s each way."""
+    """Every codec through the tier on real KV (``mib`` MiB of it): stored size and logical MB/s each way.
+
+    The codecs take turns within each of the ``repeats`` rounds (a put of every chunk, then a get
+    of every chunk), so the rows compare in one run: a codec's get against identity's is the
+    price of its decoding over moving raw KV.
+    """
     layout = LAYOUTS["SmolLM2-135M"]  # the sample's model
     pieces = real_chunks(sample, layout)
     chunks = max(concurrency, -(-(mib << 20) // layout.chunk_nbytes))
     views = [tensor_bytes(pieces[i % len(pieces)]) for i in range(chunks)]
     destination = torch.zeros(chunks, layout.chunk_nbytes, dtype=torch.uint8)
     slots = [memoryview(destination[i].numpy()) for i in range(chunks)]
-    rows = []
-    for codec in codecs:
-        namespace = f"bench-real-{codec}"
-        keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, namespace)]
-        items = list(zip(keys, views, strict=True))
-        async with _tier(remote, codec, layout, executor) as tier:
-            put_time = get_time = math.inf
+    keys = {
+        codec: [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-real-{codec}")]
+        for codec in codecs
+    }
+    put_time = dict.fromkeys(codecs, math.inf)
+    get_time = dict.fromkeys(codecs, math.inf)
+    stored = dict.fromkeys(codecs, 0)
+    async with AsyncExitStack() as stack:
+        tiers = {codec: await stack.enter_async_context(_tier(remote, codec, layout, executor)) for codec in codecs}
+        try:
             for _ in range(max(1, repeats)):
-                before = tier.stats.bytes_written
-                put_time = min(put_time, await _tier_put(tier, items, concurrency))
-                stored = tier.stats.bytes_written - before
-                get_time = min(get_time, await _tier_get(tier, keys, slots, concurrency))
-            if tier.codec.lossless:
-                for i in range(chunks):
-                    if not torch.equal(destination[i], pieces[i % len(pieces)].view(torch.uint8).reshape(-1)):
-                        raise RuntimeError(f"{codec} on {remote.name} is not bit-exact")
-            for key in keys:
-                await tier.backend.delete(key)
-        nbytes = chunks * layout.chunk_nbytes
-        put_mbps, get_mbps = per_second(nbytes, put_time, MB), per_second(nbytes, get_time, MB)
-        rows.append(CodecRow(remote.name, codec, nbytes, stored, put_mbps, get_mbps, tier.codec.lossless))
-    return rows
+                for codec, tier in tiers.items():
+                    before = tier.stats.bytes_written
+                    items = list(zip(keys[codec], views, strict=True))
+                    put_time[codec] = min(put_time[codec], await _tier_put(tier, items, concurrency))
+                    stored[codec] = tier.stats.bytes_written - before
+                    get_time[codec] = min(get_time[codec], await _tier_get(tier, keys[codec], slots, concurrency))
+                    if tier.codec.lossless:
+                        for i in range(chunks):
+                            if not torch.equal(destination[i], pieces[i % len(pieces)].view(torch.uint8).reshape(-1)):
+                                raise RuntimeError(f"{codec} on {remote.name} is not bit-exact")
+        finally:
+            for codec, tier in tiers.items():
+                for key in keys[codec]:
+                    await tier.backend.delete(key)
+    nbytes = chunks * layout.chunk_nbytes
+    return [
+        CodecRow(
+            remote.name,
+            codec,
+            nbytes,
+            stored[codec],
+            per_second(nbytes, put_time[codec], MB),
+            per_second(nbytes, get_time[codec], MB),
+            tiers[codec].codec.lossless,
+        )
+        for codec in codecs
+    ]
 
 
 async def run_remote(

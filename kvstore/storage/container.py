@@ -21,10 +21,11 @@ Stored objects are data, never code: nothing here unpickles.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import xxhash
 
@@ -34,7 +35,9 @@ from kvstore.keys import ChunkKey, key_to_bytes
 from kvstore.layout import KVLayout
 from kvstore.storage.crypto import KEY_ID_BYTES, ChunkCipher, associated_data
 from kvstore.util.buffers import Buffer, as_bytes_view
+from kvstore.util.threads import map_with_helpers, usable_cores
 
+T = TypeVar("T")
 MAGIC = b"KVSTCHNK"
 VERSION = 1
 _FIXED = struct.Struct("<8sHHI16s32sIIH")
@@ -43,6 +46,7 @@ _CHECKSUM = struct.Struct("<Q")
 MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
 FLAG_ENCRYPTED = 1
+PARALLEL_MIN_BYTES = 1 << 20  # a smaller chunk's layers are encoded and decoded in one thread
 
 
 def checksum(data: Buffer) -> int:
@@ -110,36 +114,75 @@ def encode_header(
 
 
 def encode_layers(
-    layout: KVLayout, chunk: Buffer, codec: CodecPipeline, cipher: ChunkCipher | None = None, key: ChunkKey = ""
-) -> Iterator[tuple[memoryview, Segment]]:
-    """Each layer's stored bytes and table entry, in order; each checksummed while still in cache.
+    layout: KVLayout,
+    chunk: Buffer,
+    codec: CodecPipeline,
+    cipher: ChunkCipher | None = None,
+    key: ChunkKey = "",
+    executor: Executor | None = None,
+) -> list[tuple[memoryview, Segment]]:
+    """Each layer's stored bytes and table entry, in order; each checksummed while still in cache (blocking).
 
-    With the identity codec and no cipher the stored bytes are views of ``chunk`` itself: zero copies.
+    With the identity codec and no cipher the stored bytes are views of ``chunk`` itself: zero
+    copies, in one piece. Otherwise the layers are encoded in parallel over idle workers of
+    ``executor`` (see :func:`layer_map`); the result is the same bytes either way.
     """
     raw = as_bytes_view(chunk)
     if len(raw) != layout.chunk_nbytes:
         raise ValueError(f"chunk is {len(raw)} bytes, layout needs {layout.chunk_nbytes}")
     spec = SegmentSpec(layout.dtype, layout.layer_shape)
     step = layout.layer_nbytes
-    offset = 0
-    for start in range(0, len(raw), step):
-        layer = raw[start : start + step]
-        stored = layer if codec.is_identity else as_bytes_view(codec.encode(layer, spec))
+    key_bytes = key_to_bytes(key) if cipher is not None else b""
+
+    def encode_one(layer: int) -> tuple[memoryview, int]:
+        stored = raw[layer * step : (layer + 1) * step]
+        if not codec.is_identity:
+            stored = as_bytes_view(codec.encode(stored, spec))
         if cipher is not None:
-            associated = associated_data(key_to_bytes(key), start // step, layout.fingerprint)
-            stored = memoryview(cipher.seal(stored, associated))
-        yield stored, Segment(offset, len(stored), step, checksum(stored))
+            stored = memoryview(cipher.seal(stored, associated_data(key_bytes, layer, layout.fingerprint)))
+        return stored, checksum(stored)
+
+    plain = codec.is_identity and cipher is None
+    encoded = layer_map(encode_one, layout, None if plain else executor)
+    segments: list[tuple[memoryview, Segment]] = []
+    offset = 0
+    for stored, digest in encoded:
+        segments.append((stored, Segment(offset, len(stored), step, digest)))
         offset += len(stored)
+    return segments
 
 
 def encode_chunk(
-    layout: KVLayout, key: ChunkKey, chunk: Buffer, codec: CodecPipeline, cipher: ChunkCipher | None = None
+    layout: KVLayout,
+    key: ChunkKey,
+    chunk: Buffer,
+    codec: CodecPipeline,
+    cipher: ChunkCipher | None = None,
+    executor: Executor | None = None,
 ) -> list[Buffer]:
-    """The whole container as a list of buffers (header first), for a gather write or upload."""
-    encoded = list(encode_layers(layout, chunk, codec, cipher, key))
+    """The whole container as a list of buffers (header first), for a gather write or upload (blocking).
+
+    ``executor``: the pool this runs in, whose idle workers may encode some of the layers.
+    """
+    encoded = encode_layers(layout, chunk, codec, cipher, key, executor)
     key_id = None if cipher is None else cipher.key_id
     header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id)
     return [header, *(stored for stored, _ in encoded)]
+
+
+def layer_map(fn: Callable[[int], T], layout: KVLayout, executor: Executor | None) -> list[T]:
+    """``fn`` of every layer, in layer order (blocking); spread over idle workers of ``executor`` when it pays.
+
+    A chunk's codec work is one thread call per chunk, so without this one chunk used one core
+    however many were idle. The calling thread works through the layers itself and helper tasks
+    of ``executor`` (the tier's own I/O pool, which the caller usually runs in) take layers
+    from the same queue when a worker is free; it never waits for a helper that has not
+    started, so a busy or small pool cannot deadlock it (:func:`~kvstore.util.threads.map_with_helpers`).
+    Serial for a chunk under ``PARALLEL_MIN_BYTES``, where a helper's start costs more than it saves.
+    """
+    if executor is None or layout.chunk_nbytes < PARALLEL_MIN_BYTES:
+        return [fn(layer) for layer in range(layout.num_layers)]
+    return map_with_helpers(fn, layout.num_layers, executor, usable_cores() - 1)
 
 
 def header_length(prefix: Buffer) -> int:
@@ -288,28 +331,47 @@ def decode_layer(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buff
         raise ChunkFormatError(f"layer {layer}: {exc}") from None
 
 
-def decode_payload(header: ChunkHeader, layout: KVLayout, payload: Buffer, out: Buffer) -> None:
-    """Verify and decode every layer of ``payload`` (the bytes after the header) into ``out``."""
+def decode_payload(
+    header: ChunkHeader, layout: KVLayout, payload: Buffer, out: Buffer, executor: Executor | None = None
+) -> None:
+    """Verify and decode every layer of ``payload`` (the bytes after the header) into ``out`` (blocking).
+
+    ``executor``: the pool this runs in, whose idle workers may decode some of the layers
+    (:func:`layer_map`; not for plain chunks, whose layers are only checksummed). When this
+    returns, or raises, no thread is writing into ``out``.
+    """
     payload_view, out_view = as_bytes_view(payload), as_bytes_view(out)
     if len(payload_view) != header.payload_len:
         raise ChunkFormatError(f"payload is {len(payload_view)} bytes, header says {header.payload_len}")
     if len(out_view) != layout.chunk_nbytes:
         raise ValueError(f"output is {len(out_view)} bytes, layout needs {layout.chunk_nbytes}")
     step = layout.layer_nbytes
-    for layer, segment in enumerate(header.segments):
+
+    def decode_one(layer: int) -> None:
+        segment = header.segments[layer]
         stored = payload_view[segment.offset : segment.offset + segment.stored_len]
         decode_layer(header, layout, layer, stored, out_view[layer * step : (layer + 1) * step])
 
+    layer_map(decode_one, layout, None if header.plain else executor)
+
 
 def decode_chunk(
-    data: Buffer, layout: KVLayout, key: ChunkKey, out: Buffer, cipher: ChunkCipher | None = None
+    data: Buffer,
+    layout: KVLayout,
+    key: ChunkKey,
+    out: Buffer,
+    cipher: ChunkCipher | None = None,
+    executor: Executor | None = None,
 ) -> ChunkHeader:
-    """Check and decode a whole container into ``out``; any defect raises ChunkFormatError."""
+    """Check and decode a whole container into ``out`` (blocking); any defect raises ChunkFormatError.
+
+    ``executor``: as for :func:`decode_payload`.
+    """
     view = as_bytes_view(data)
     header = parse_header(view, layout, key, cipher)
     if len(view) != header.total_len:
         raise ChunkFormatError(f"object is {len(view)} bytes, header says {header.total_len}")
-    decode_payload(header, layout, view[header.header_len :], out)
+    decode_payload(header, layout, view[header.header_len :], out, executor)
     return header
 
 

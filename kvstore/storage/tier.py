@@ -77,7 +77,9 @@ class ChunkTier:
         self.stats = TierStats()
         self.latency = TierLatency()  # fed by KVStore, which times each operation it waits for
         self.breaker = CircuitBreaker(self.name)  # the store replaces it with one configured from [breaker]
-        self.executor = executor  # where encoding, decoding and checksums run (and a local backend's batches)
+        # where encoding, decoding and checksums run (and a local backend's batches); a whole chunk's
+        # encode or decode also spreads its layers over this pool's idle workers (container.layer_map)
+        self.executor = executor
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
         self._batch_layers = min(layout.num_layers, max(1, BATCH_BYTES // layout.layer_nbytes))
@@ -114,7 +116,7 @@ class ChunkTier:
         in parallel never take the tier past its capacity.
         """
         writes = [
-            ObjectWrite(key, partial(encode_chunk, self.layout, key, chunk, self.codec, self.cipher))
+            ObjectWrite(key, partial(encode_chunk, self.layout, key, chunk, self.codec, self.cipher, self.executor))
             for key, chunk in items
         ]
         if self.is_local and len(writes) > 1:
@@ -294,7 +296,7 @@ class ChunkTier:
         data = await self.backend.get(key)
         if data is None:
             return None
-        await in_thread(self.executor, decode_chunk, data, self.layout, key, out, self.cipher)
+        await in_thread(self.executor, decode_chunk, data, self.layout, key, out, self.cipher, self.executor)
         return len(data)
 
     async def _load_remote_plain(self, key: ChunkKey, out: memoryview) -> int | None:

@@ -9,11 +9,15 @@ caller that is gone (open files, say) is handed to ``discard`` so that nothing l
 A thread that writes into memory the caller owns (a read straight into the caller's buffer)
 cannot hold on to that memory past the caller's deadline: :class:`WriteFence` lets the loop
 close the buffer to the thread at the deadline, waiting only for the one write in progress.
+
+One piece of blocking work can be spread over idle workers of the executor it already runs in
+(:func:`map_with_helpers`: a chunk's layers, encoded or decoded on every core).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -130,3 +134,85 @@ async def close_fences(fences: Sequence[WriteFence]) -> None:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class _SharedItems:
+    """Items ``0..count-1`` claimed one at a time by whichever thread asks next (see :func:`map_with_helpers`)."""
+
+    def __init__(self, fn: Callable[[int], T], count: int) -> None:
+        self._fn = fn
+        self._count = count
+        self._next = 0
+        self._running = 0  # items claimed and not finished
+        self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)
+        self.results: list[T | None] = [None] * count
+        self.error: BaseException | None = None
+
+    def _claim(self) -> int | None:
+        with self._lock:
+            if self._next >= self._count or self.error is not None:
+                return None
+            self._next += 1
+            self._running += 1
+            return self._next - 1
+
+    def work(self) -> None:
+        """Run items until none is left to claim (blocking); never raises (the first error is kept)."""
+        while (item := self._claim()) is not None:
+            try:
+                self.results[item] = self._fn(item)
+            except BaseException as exc:  # handed to the caller, who raises it
+                with self._lock:
+                    self.error = self.error or exc
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    if not self._running:
+                        self._finished.notify_all()
+
+    def wait(self) -> None:
+        """Block until every claimed item has finished (call once nothing is left to claim)."""
+        with self._lock:
+            while self._running:
+                self._finished.wait()
+
+
+def map_with_helpers(fn: Callable[[int], T], count: int, executor: Executor | None, helpers: int) -> list[T]:
+    """``[fn(0), ..., fn(count - 1)]``, run by the calling thread with up to ``helpers`` tasks of ``executor``.
+
+    Blocking. The calling thread works through the items itself; each helper task, whenever a
+    worker of ``executor`` gets to it, takes items from the same queue. So the caller may well be
+    running in ``executor`` already (a tier's codec work does, in its I/O threads): it never
+    waits for a helper that has not started (if every worker is busy, the caller does all the
+    items alone, as it would without helpers), only for items that a running helper has claimed
+    and is working on. No deadlock however small the executor, and no second pool to size. A
+    helper that starts after the items are gone returns at once, touching nothing: when this
+    returns, no thread is still running ``fn``, so the caller's buffers are its own again.
+
+    ``fn`` runs concurrently with itself: it must be thread-safe, and worth it only where it
+    releases the GIL (zstd, numpy's whole-array operations and xxh3 do: a thread running each for
+    100 ms stalled another thread's wake-ups by at most 4 ms).
+    The first exception ``fn`` raises is re-raised here, once every claimed item has finished;
+    items not yet claimed by then are skipped.
+    """
+    shared = _SharedItems(fn, count)
+    if executor is not None:
+        for _ in range(min(helpers, count - 1)):
+            try:
+                executor.submit(shared.work)
+            except RuntimeError:  # the executor is shutting down: the caller does the rest alone
+                break
+    shared.work()
+    shared.wait()
+    if shared.error is not None:
+        raise shared.error
+    return shared.results  # type: ignore[return-value]  # every item ran, or the error was raised
