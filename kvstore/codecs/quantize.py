@@ -124,7 +124,7 @@ def quantize(values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor,
 
 
 def dequantize(params: torch.Tensor, codes: torch.Tensor, group: int, target: torch.Tensor) -> None:
-    """Write ``min + code * scale`` into ``target`` (any float dtype, the codes' shape): the inverse of :func:`quantize`.
+    """Write ``min + code * scale`` into ``target`` (any float dtype, the codes' shape): undoes :func:`quantize`.
 
     ``codes`` are uint8: addcmul computes in float32 without a converted copy, and rounds once
     into the target's dtype.
