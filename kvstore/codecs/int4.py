@@ -8,13 +8,13 @@ head_dim first. See :mod:`kvstore.codecs.quantize` for the grouping and the layo
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from kvstore.codecs.quantize import GroupQuantizedCodec
+from kvstore.codecs.quantize import GroupQuantizedCodec, to_uint8
 
 
 class Int4Codec(GroupQuantizedCodec):
-    """array→bytes: half a byte per value (the low nibble first) plus two fp16 numbers per group of ``level`` values."""
+    """array→bytes: half a byte per value plus two fp16 numbers per group of ``level`` values."""
 
     name = "int4"
     bits = 4
@@ -24,20 +24,19 @@ class Int4Codec(GroupQuantizedCodec):
         return (count + 1) // 2
 
     @staticmethod
-    def pack(codes: torch.Tensor, out: torch.Tensor) -> None:
-        count = codes.numel()
-        pairs = count // 2
-        codes = codes.to(torch.uint8)  # truncating rounds: quantize offsets the codes by +0.5
-        even = codes[: 2 * pairs].view(pairs, 2)
-        torch.bitwise_left_shift(even[:, 1], 4, out=out[:pairs])
-        out[:pairs].bitwise_or_(even[:, 0])
-        if count % 2:
-            out[pairs] = codes[-1]  # an odd count: the last code alone, in a low nibble
+    def pack(codes: np.ndarray, out: np.ndarray) -> None:
+        """Byte i holds code i (low nibble) and code i + ceil(n/2) (high nibble): contiguous halves, no strides."""
+        count = codes.size
+        low, high = count - count // 2, count // 2
+        every = np.empty(count, dtype=np.uint8)
+        to_uint8(codes, every)
+        out[:] = every[:low]
+        out[:high] |= every[low:] << 4
 
     @staticmethod
-    def unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
-        codes = torch.empty(2 * len(packed), dtype=torch.uint8)
-        pairs = codes.view(-1, 2)
-        torch.bitwise_and(packed, 15, out=pairs[:, 0])
-        torch.bitwise_right_shift(packed, 4, out=pairs[:, 1])
-        return codes[:count]
+    def unpack(packed: np.ndarray, count: int) -> np.ndarray:
+        low, high = count - count // 2, count // 2
+        codes = np.empty(count, dtype=np.uint8)
+        np.bitwise_and(packed, 15, out=codes[:low])
+        np.right_shift(packed[:high], 4, out=codes[low:])
+        return codes

@@ -23,13 +23,15 @@ The encoded layout (no header: the codec id in the chunk header carries the grou
 length is checked exactly): every group's fp16 scale, then every group's fp16 min (groups in the
 order of :func:`segment_parts`: the keys' full groups, their short tail, the values' full
 groups, their short tail), then the codes in the segment's own element order, packed by the
-codec (int4: two per byte).
+codec (int4: two per byte, the first half of the codes in the low nibbles, the second half in the high).
 """
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from kvstore.codecs.base import ArrayBytesCodec, SegmentSpec
@@ -37,6 +39,7 @@ from kvstore.errors import CodecError
 from kvstore.util.buffers import Buffer, as_bytes_view, tensor_view
 
 _FP16_MAX = 65504.0
+_HALF = torch.tensor(0.5)
 Part = tuple[torch.Tensor, int]  # a view of the segment shaped [a, b, c] and the dim its groups run along
 
 
@@ -74,6 +77,11 @@ def parameter_count(spec: SegmentSpec, group: int) -> int:
     return 2 * groups
 
 
+def to_uint8(codes: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = codes`` truncated (float32 codes in [0, 255] to uint8): numpy casts 5x faster than torch here."""
+    np.copyto(out, codes, casting="unsafe")
+
+
 def _stat_shape(part: Part) -> tuple[int, ...]:
     """The shape of one statistic per group of ``part`` (its group dim kept, as 1)."""
     view, dim = part
@@ -90,50 +98,53 @@ def _split(flat: torch.Tensor, parts: list[Part]) -> list[torch.Tensor]:
 
 
 def quantize(values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` (float32, [planes, tokens, heads, head_dim]) to (fp16 parameters, codes as float32).
+    """``values`` (float32, [planes, tokens, heads, head_dim], the caller's to overwrite) to (fp16
+    parameters, codes), the codes written over ``values`` and returned as it.
 
-    The parameters are every group's scale, then every group's min. The codes come back as
-    float32 in ``[0, 2**bits - 1]``, offset by +0.5, so that the caller's conversion to uint8
-    (which truncates) rounds them: one pass fewer than rounding here. The per-group arithmetic
-    runs once on all groups' statistics together: on these small tensors each torch call's
-    overhead costs more than its work.
+    The parameters are every group's scale, then every group's min. The codes are float32 in
+    ``[0, 2**bits - 1]``, offset by +0.5, so that the caller's conversion to uint8 (which
+    truncates) rounds them: one pass fewer than rounding here. The per-group arithmetic runs once
+    on all groups' statistics together: on these small tensors each torch call's overhead costs
+    more than its work (measured: the encode is dominated by call overhead, not by bytes).
     """
     top = float((1 << bits) - 1)
     parts = segment_parts(values, group)
     # amin and amax, not aminmax: measured 8x faster on these shapes (torch 2.x, one thread)
     low = torch.cat([view.amin(dim=dim).reshape(-1) for view, dim in parts])
     high = torch.cat([view.amax(dim=dim).reshape(-1) for view, dim in parts])
-    nonfinite = not bool(torch.isfinite(high - low).all())
-    if nonfinite:  # NaN or inf in some group: its statistics over the finite values only
+    nonfinite = not math.isfinite(float((high - low).sum()))  # one reduction: cheaper than isfinite().all()
+    if nonfinite:  # NaN or inf in some group (or a huge range): its statistics over the finite values only
         finite = [(torch.nan_to_num(view, nan=0.0, posinf=0.0, neginf=0.0), dim) for view, dim in parts]
         low = torch.cat([view.amin(dim=dim).reshape(-1) for view, dim in finite])
         high = torch.cat([view.amax(dim=dim).reshape(-1) for view, dim in finite])
     low16 = low.clamp_(-_FP16_MAX, _FP16_MAX).half()
     low = low16.float()
-    scale16 = high.sub_(low).div_(top).clamp_(0.0, _FP16_MAX).half()
-    scale = scale16.float()
-    inverse = torch.where(scale > 0, scale.reciprocal(), 0.0)
-    bias = low.mul_(inverse).neg_().add_(0.5)  # (x - min) / scale + 0.5 = x * inverse + bias
-    scaled = torch.empty_like(values)
-    outs = segment_parts(scaled, group)
-    for (view, _), (out, _), b, i in zip(parts, outs, _split(bias, parts), _split(inverse, parts), strict=True):
-        torch.addcmul(b, view, i, out=out)
+    scale16 = high.sub_(low).mul_(1.0 / top).clamp_(0.0, _FP16_MAX).half()
+    # a constant group: scale 0, reciprocal inf, inverse 0, every code 0 (decoded to the min exactly)
+    inverse = scale16.float().reciprocal_().nan_to_num_(posinf=0.0)
+    bias = torch.addcmul(_HALF, low, inverse, value=-1.0)  # (x - min) / scale + 0.5 = x * inverse + bias
+    for (view, _), b, i in zip(parts, _split(bias, parts), _split(inverse, parts), strict=True):
+        view.mul_(i).add_(b)  # measured 2.5x faster than one addcmul where the stats broadcast over channels
     if nonfinite:
-        torch.nan_to_num(scaled, nan=0.0, out=scaled)  # NaN to the min; +-inf are clamped below
-    return torch.cat((scale16, low16)), scaled.clamp_(0.0, top)
+        values.nan_to_num_(nan=0.0)  # NaN (and inf * 0) to the min; +-inf are clamped below
+    return torch.cat((scale16, low16)), values.clamp_(0.0, top)
 
 
-def dequantize(params: torch.Tensor, codes: torch.Tensor, group: int, target: torch.Tensor) -> None:
-    """Write ``min + code * scale`` into ``target`` (any float dtype, the codes' shape): undoes :func:`quantize`.
+def dequantize(params: torch.Tensor, codes: np.ndarray, group: int, target: torch.Tensor) -> None:
+    """Write ``min + code * scale`` into ``target`` (any float dtype, its shape): undoes :func:`quantize`.
 
-    ``codes`` are uint8: addcmul computes in float32 without a converted copy, and rounds once
+    ``params`` are float32 (every scale, then every min), ``codes`` uint8 in the target's element
+    order. The arithmetic is float32 (in ``target`` itself when it is float32), rounded once
     into the target's dtype.
     """
-    parts = segment_parts(codes, group)
-    outs = segment_parts(target, group)
-    scale, low = params.float().chunk(2)
-    for (view, _), (out, _), s, m in zip(parts, outs, _split(scale, parts), _split(low, parts), strict=True):
-        torch.addcmul(m, view, s, out=out)
+    values = target if target.dtype == torch.float32 else torch.empty(target.shape, dtype=torch.float32)
+    np.copyto(values.numpy().reshape(-1), codes)  # uint8 to float32: measured 3x faster than torch's copy_
+    parts = segment_parts(values, group)
+    scale, low = params.chunk(2)
+    for (view, _), s, m in zip(parts, _split(scale, parts), _split(low, parts), strict=True):
+        view.mul_(s).add_(m)
+    if values is not target:
+        target.copy_(values)
 
 
 class GroupQuantizedCodec(ArrayBytesCodec):
@@ -170,24 +181,26 @@ class GroupQuantizedCodec(ArrayBytesCodec):
         return count
 
     @staticmethod
-    def pack(codes: torch.Tensor, out: torch.Tensor) -> None:
+    def pack(codes: np.ndarray, out: np.ndarray) -> None:
         """Write ``codes`` (float32 from :func:`quantize`, flat; truncating them rounds) into ``out`` (uint8)."""
-        out.copy_(codes)
+        to_uint8(codes, out)
 
     @staticmethod
-    def unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
+    def unpack(packed: np.ndarray, count: int) -> np.ndarray:
         """The ``count`` codes (uint8, flat) that ``packed`` holds."""
         return packed
 
     def encode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
         self._check(spec)
-        values = tensor_view(data, spec.dtype, spec.shape).float()
-        params, codes = quantize(values, self.bits, self.group)
-        param_bytes = 2 * params.numel()
-        out = torch.empty(param_bytes + self.packed_size(codes.numel()), dtype=torch.uint8)
-        out[:param_bytes].view(torch.float16).copy_(params)
-        self.pack(codes.view(-1), out[param_bytes:])
-        return out.numpy()
+        # inference mode: no autograd bookkeeping on each view and op, measured 20% faster here
+        with torch.inference_mode():
+            values = tensor_view(data, spec.dtype, spec.shape).to(torch.float32, copy=True)  # quantize overwrites it
+            params, codes = quantize(values, self.bits, self.group)
+            param_bytes = 2 * params.numel()
+            out = np.empty(param_bytes + self.packed_size(codes.numel()), dtype=np.uint8)
+            out[:param_bytes] = params.numpy().view(np.uint8)
+            self.pack(codes.numpy().reshape(-1), out[param_bytes:])
+        return out
 
     def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
         out = bytearray(spec.nbytes)
@@ -203,7 +216,8 @@ class GroupQuantizedCodec(ArrayBytesCodec):
             raise CodecError(f"{self.name}: segment length does not match the layout")
         if len(out) != spec.nbytes:
             raise CodecError(f"{self.name}: output buffer is {len(out)} bytes, expected {spec.nbytes}")
-        params = tensor_view(data[:param_bytes], torch.float16, (param_bytes // 2,))
-        packed = tensor_view(data[param_bytes:], torch.uint8, (len(data) - param_bytes,))
-        codes = self.unpack(packed, count).view(spec.shape)
-        dequantize(params, codes, self.group, tensor_view(out, spec.dtype, spec.shape))
+        raw = np.frombuffer(data, dtype=np.uint8)
+        codes = self.unpack(raw[param_bytes:], count)
+        with torch.inference_mode():
+            params = torch.from_numpy(raw[:param_bytes].view(np.float16).astype(np.float32))
+            dequantize(params, codes, self.group, tensor_view(out, spec.dtype, spec.shape))
