@@ -431,9 +431,9 @@ def test_quantizers_keep_constant_groups_exact_and_are_not_poisoned_by_inf_or_na
     finite = torch.isfinite(segment.float())
     step = 4.0 / (255 if name == "int8" else 15)  # the values span [-2, 2]
     error = (out - segment.float()).abs()[finite]
-    # half a step of the group's range, plus the fp16 rounding of the min and scale: the groups holding
-    # inf and NaN keep the range of their finite values
-    assert float(error.max()) <= 0.5 * step * 1.01 + 2e-3, float(error.max())
+    # half a step of the group's range, plus the fp16 rounding of the min and scale, plus the output
+    # dtype's rounding (values up to 2): the groups holding inf and NaN keep the range of their finite values
+    assert float(error.max()) <= 0.5 * step + 4e-3 + torch.finfo(dtype).eps, float(error.max())
     assert torch.isfinite(out).all()
     assert float(out[0, 3, 1, 2]) == float(out[0, :, 1, 2].max()), "+inf decodes to its group's max"
     assert float(out[1, 9, 0, 1]) == float(out[1, 9, 0].min()), "-inf decodes to its group's min"

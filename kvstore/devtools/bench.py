@@ -24,8 +24,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -372,6 +373,17 @@ def _check(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> Non
     for i, out in enumerate(outs):
         if not torch.equal(out.view(torch.uint8), sources[i % len(sources)].view(torch.uint8)):
             raise RuntimeError("disk round trip changed the data")
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's ops on one thread inside the block: codec rows are per core (fp8, int8, int4 run torch ops)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def bench_codecs(sample: torch.Tensor, repeats: int) -> list[CodecRow]:
