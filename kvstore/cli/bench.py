@@ -145,7 +145,8 @@ def _bench_local(
         if path is None:
             console.print("[yellow]codecs skipped: no real KV sample found; pass --sample PATH[/]")
             return
-        results = b.bench_codecs(b.load_kv_sample(path)[:, :, :256].contiguous(), repeats)
+        with b.one_torch_thread():
+            results = b.bench_codecs(b.load_kv_sample(path)[:, :, :256].contiguous(), repeats)
         title = f"codecs on real KV ({path.name}, 256-token chunk, per-layer segments, 1 thread)"
         console.print(codec_table(title, results, remote=False))
 

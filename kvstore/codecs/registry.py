@@ -31,7 +31,10 @@ from kvstore.codecs.base import Codec, stage_kind
 from kvstore.codecs.byteplanes import BytePlanesCodec
 from kvstore.codecs.bytesplit import ByteSplitCodec
 from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.codecs.hadamard import HadamardCodec
 from kvstore.codecs.identity import IdentityCodec
+from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.lz4 import Lz4Codec
 from kvstore.codecs.pipeline import CodecPipeline
 from kvstore.codecs.zstd import ZstdCodec
@@ -41,12 +44,17 @@ MAX_CODEC_NAME = 64  # of a whole pipeline name, as chunk headers store it
 DEFAULT_REMOTE_CODEC = "byteplanes"  # bytesplit's successor: faster, same ratio (bytesplit chunks still decode)
 
 BUILTIN_CODECS: tuple[type[Codec], ...] = (
+    # lossless
     IdentityCodec,
     ZstdCodec,
     Lz4Codec,
     ByteSplitCodec,
     BytePlanesCodec,
+    # lossy: e4m3, group-wise integer codes, and a rotation that may come before them
     Fp8Codec,
+    Int8Codec,
+    Int4Codec,
+    HadamardCodec,
 )
 CODECS: Mapping[str, type[Codec]] = MappingProxyType({codec.name: codec for codec in BUILTIN_CODECS})
 """The built-in stages by name; :func:`available_codecs` lists third-party ones too."""

@@ -25,8 +25,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -56,6 +57,7 @@ TARGETS = {
 }
 RAW_THREADS = 2  # the raw file baselines' threads: what a careful engineer would use on this 2-core machine
 CODECS = ["zstd", "lz4", "byteplanes", "bytesplit", "fp8", "fp8+zstd"]
+CODECS += ["int8", "int8+zstd", "int4", "int4+zstd", "int4:32", "hadamard+int4", "hadamard+int8+zstd"]  # lossy
 
 
 @dataclass
@@ -374,6 +376,17 @@ def _check(outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> Non
             raise RuntimeError("disk round trip changed the data")
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's ops on one thread inside the block: codec rows are per core (fp8, int8, int4 run torch ops)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def bench_codecs(sample: torch.Tensor, repeats: int) -> list[CodecRow]:
     """Every codec on per-layer segments of the sample, one thread, like the tiers encode them (best of ``repeats``).
 
@@ -404,6 +417,7 @@ def bench_codecs(sample: torch.Tensor, repeats: int) -> list[CodecRow]:
         else:
             measured = roundtrip_error(sample, out)
             error = f"rms rel {measured['rms_rel']:.4f}, cosine {measured['cosine']:.5f}"
+            error += f", max abs {measured['max_abs']:.3f}"
         encode_mbps, decode_mbps = per_second(nbytes, encode_s, MB), per_second(nbytes, decode_s, MB)
         results.append(CodecRow("", codec.id, nbytes, stored, encode_mbps, decode_mbps, codec.lossless, error))
     return results
