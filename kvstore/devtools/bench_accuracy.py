@@ -50,61 +50,21 @@ import torch
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec
 from kvstore.connectors.hf import layout_for_model
 from kvstore.layout import KVLayout
+from kvstore.util.buffers import as_bytes_view, tensor_bytes
 from kvstore.util.units import MB, per_second
 
 MODELS = ("smollm2",)  # what --accuracy accepts
-DEFAULT_CODECS = (
-    "identity",
-    "bytesplit",
-    "fp8",
-    "fp8+zstd",
-    "int8",
-    "int8+zstd",
-    "int4",
-    "int4+zstd",
-    "hadamard+int4",
-    "hadamard+int4+zstd",
+DEFAULT_CODECS = tuple(
+    "identity bytesplit fp8 fp8+zstd int8 int8+zstd int4 int4+zstd hadamard+int4 hadamard+int4+zstd".split()
 )
 EXACT = "float32 (exact)"  # the row of the exact KV: no cast, no codec
 GENERATED = 64  # greedy tokens per prompt
 SCORED = 256  # the prompt's last tokens whose perplexity is measured
 # Modules whose documentation is long enough (sorted; C-only and GUI modules left out: their docs differ by build).
-PROMPT_MODULES = (
-    "argparse",
-    "collections",
-    "configparser",
-    "contextlib",
-    "csv",
-    "dataclasses",
-    "difflib",
-    "doctest",
-    "email.message",
-    "enum",
-    "functools",
-    "http.client",
-    "inspect",
-    "ipaddress",
-    "json",
-    "logging",
-    "optparse",
-    "os",
-    "pathlib",
-    "pdb",
-    "random",
-    "re",
-    "shutil",
-    "smtplib",
-    "statistics",
-    "subprocess",
-    "tarfile",
-    "tempfile",
-    "textwrap",
-    "threading",
-    "typing",
-    "unittest.mock",
-    "urllib.parse",
-    "uuid",
-    "zipfile",
+PROMPT_MODULES = tuple(
+    "argparse collections configparser contextlib csv dataclasses difflib doctest email.message enum functools "
+    "http.client inspect ipaddress json logging optparse os pathlib pdb random re shutil smtplib statistics "
+    "subprocess tarfile tempfile textwrap threading typing unittest.mock urllib.parse uuid zipfile".split()
 )
 
 
@@ -205,7 +165,8 @@ def recompute(model: Any, prompt: Prompt, generated: int = GENERATED) -> Referen
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(ids[:, :-1], past_key_values=cache, use_cache=True)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]  # later steps concatenate: these stay as they are
+        layers: list[Any] = list(cache.layers)  # DynamicLayer: keys, values [1, kv_heads, tokens, head_dim]
+        kv = [(layer.keys, layer.values) for layer in layers]  # later steps concatenate: these stay as they are
         logits = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1].float()
         first_logits, tokens = logits, [int(logits.argmax())]
         while len(tokens) < generated:
@@ -256,8 +217,8 @@ def round_trip(codec: CodecPipeline, layout: KVLayout, kv: KV) -> RoundTrip:
         for layer, (keys, values) in enumerate(kv):  # hf.py's HFConnector._save: [tokens, kv_heads, head_dim]
             staging[layer, 0].copy_(keys[0, :, span].transpose(0, 1))
             staging[layer, 1].copy_(values[0, :, span].transpose(0, 1))
-        segments = [memoryview(staging[layer].view(torch.uint8).reshape(-1).numpy()) for layer in range(len(kv))]
-        outs = [memoryview(decoded[chunk, layer].view(torch.uint8).reshape(-1).numpy()) for layer in range(len(kv))]
+        segments = [tensor_bytes(staging[layer]) for layer in range(len(kv))]
+        outs = [tensor_bytes(decoded[chunk, layer]) for layer in range(len(kv))]
         with _one_thread():
             start = time.perf_counter()
             encoded = [codec.encode(segment, spec) for segment in segments]
@@ -267,7 +228,7 @@ def round_trip(codec: CodecPipeline, layout: KVLayout, kv: KV) -> RoundTrip:
             end = time.perf_counter()
         encode_seconds, decode_seconds = encode_seconds + middle - start, decode_seconds + end - middle
         nbytes += sum(len(segment) for segment in segments)
-        stored += sum(len(memoryview(data).cast("B")) for data in encoded)
+        stored += sum(len(as_bytes_view(data)) for data in encoded)
     # [chunks, layers, 2, tokens, heads, dim] -> per layer [1, heads, chunks * tokens, dim], as the connector loads it
     joined = decoded.permute(1, 2, 4, 0, 3, 5).reshape(len(kv), 2, 1, layout.num_kv_heads, chunks * size, -1)
     restored = [(joined[layer, 0].float(), joined[layer, 1].float()) for layer in range(len(kv))]
@@ -313,7 +274,7 @@ def score(model: Any, reference: Reference, prefix: KV, chunk_tokens: int, score
         targets = torch.tensor(ids[n - scored :])
         nll = torch.nn.functional.cross_entropy(logits[-scored - 1 : -1], targets, reduction="sum")
     return PromptScore(
-        agreed=sum(int(a == b) for a, b in zip(predicted, reference.tokens, strict=True)),
+        agreed=sum(a == b for a, b in zip(predicted, reference.tokens, strict=True)),
         generated=len(reference.tokens),
         first_logits=first,
         logit_max_abs=float(difference.abs().max()),
