@@ -243,5 +243,5 @@ def _bench_accuracy(prompts: int, codecs: list[str]) -> None:
 
     start = time.perf_counter()
     rows, used = a.run_smollm2(prompts, codecs, lambda line: console.print(line, markup=False, highlight=False))
-    console.print(a.describe(used, time.perf_counter() - start), markup=False, highlight=False)
+    console.print(a.describe(used, time.perf_counter() - start), markup=False, highlight=False, soft_wrap=True)
     console.print(a.markdown_table(rows), markup=False, highlight=False, soft_wrap=True)
