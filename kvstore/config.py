@@ -15,7 +15,7 @@ import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -76,9 +76,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        """Assign with validation; a value refused (by a field or a whole-section check) changes nothing."""
+        missing = object()
+        old = self.__dict__.get(name, missing)
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
+            if old is not missing:  # pydantic has already stored it when a whole-section check refuses it
+                self.__dict__[name] = old
             raise ConfigError(_explain(exc, type(self))) from None
 
 
@@ -89,13 +94,36 @@ class DramConfig(_Section):
     )
 
 
+LOSSY_HELP = (
+    "store with a lossy codec (fp8, int8, int4, hadamard): what a get returns is then close to what was put, not equal"
+)
+
+
+def _check_lossy(name: str, codec: str, allow_lossy: bool) -> None:
+    """A lossy codec is never chosen silently: without ``allow_lossy`` it is a ValueError naming the fix.
+
+    A typo of ``int4`` for ``int8``, or a config copied from another model, would otherwise change
+    every reply the engine gives from reused KV with nothing said anywhere; the opt-in sits next to
+    the codec, so whoever reads the config sees both.
+    """
+    if not allow_lossy and not make_codec(codec).lossless:
+        raise ValueError(
+            f"{name}.codec {codec!r} is lossy: the KV read back differs from what was stored (measure the "
+            f"model's answers with it: kvstore bench). To store with it anyway, set {name}.allow_lossy = true "
+            f"([{name}] allow_lossy = true, or KVSTORE_{name.upper()}__ALLOW_LOSSY=true); or pick a lossless codec "
+            f"(identity, bytesplit, zstd, lz4)"
+        )
+
+
 class DiskConfig(_Section):
+    section: ClassVar[str] = "disk"
     enabled: bool = True
     path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
     capacity: Capacity = Field(
         ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; least recently used files go first"
     )
     codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'bytesplit'")
+    allow_lossy: bool = Field(False, description=LOSSY_HELP)
     fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
 
     @field_validator("codec")
@@ -109,11 +137,18 @@ class DiskConfig(_Section):
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
 
+    @model_validator(mode="after")
+    def _lossy_only_when_allowed(self) -> DiskConfig:
+        _check_lossy(self.section, self.codec, self.allow_lossy)
+        return self
+
 
 class _RemoteSection(_Section):
+    section: ClassVar[str]  # the TOML table, for error messages
     enabled: bool = False
     prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
-    codec: str = Field("bytesplit", description="codec pipeline at this boundary, e.g. 'bytesplit' or 'fp8+zstd'")
+    codec: str = Field("bytesplit", description="codec pipeline at this boundary, e.g. 'bytesplit' or 'int8+zstd'")
+    allow_lossy: bool = Field(False, description=LOSSY_HELP)
     connect_timeout: Duration = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
 
     @field_validator("codec")
@@ -122,6 +157,11 @@ class _RemoteSection(_Section):
         make_codec(value)
         return value
 
+    @model_validator(mode="after")
+    def _lossy_only_when_allowed(self) -> _RemoteSection:
+        _check_lossy(self.section, self.codec, self.allow_lossy)
+        return self
+
 
 MULTIPART_MIN, SINGLE_PUT_MAX = 5 << 20, 5 << 30  # S3's smallest part (all but the last), largest single PUT
 
@@ -129,6 +169,7 @@ MULTIPART_MIN, SINGLE_PUT_MAX = 5 << 20, 5 << 30  # S3's smallest part (all but 
 class S3Config(_RemoteSection):
     """Credentials are not configured here: they come from the standard AWS chain (env, ~/.aws, roles)."""
 
+    section: ClassVar[str] = "s3"
     bucket: str = Field("", description="bucket name (required when s3.enabled)")
     endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint, e.g. 'http://127.0.0.1:9000' (else $AWS_ENDPOINT_URL_S3 or AWS)"
@@ -166,6 +207,7 @@ class S3Config(_RemoteSection):
 
 
 class RedisConfig(_RemoteSection):
+    section: ClassVar[str] = "redis"
     url: str | None = Field(
         None, repr=False, description="redis:// or rediss:// URL (else $REDIS_URL, else redis://127.0.0.1:6379/0)"
     )
@@ -464,6 +506,9 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> str:
             lines.append(f"  {key}: unknown key; {fix}")
             continue
         message = error["msg"].removeprefix("Value error, ")
+        if isinstance(error.get("input"), dict | BaseModel):  # a whole section's check: its message names the keys
+            lines.append(f"  {key}: {message}" if key else f"  {message}")
+            continue
         field = _field(model, error["loc"])
         description = field.description if field else None
         shown = "'**********'" if field is not None and _is_secret(field) else units.shown(error.get("input"))

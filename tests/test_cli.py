@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -72,6 +73,16 @@ def chunk_file(root: Path, namespace: str = "m", size: int = 5000, age: float = 
     if age:
         os.utime(path, (time.time() - age, time.time() - age))
     return path
+
+
+def test_ls_reads_the_codec_from_each_chunk_header_and_names_what_is_not_a_chunk(tmp_path, monkeypatch) -> None:
+    config, root = disk_only(tmp_path, monkeypatch)
+    chunk_file(root, "junk", size=5000)  # a file named like a chunk, holding no chunk header
+    chunk_file(root, "junk", size=10)
+    result = runner.invoke(app, ["ls", "--json", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)
+    assert row["namespace"] == "junk" and row["chunks"] == 2 and row["codecs"] == {"(not a chunk)": 2}
 
 
 @pytest.mark.parametrize(

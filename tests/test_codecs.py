@@ -1,5 +1,6 @@
-"""Codecs: lossless ones are bit-exact, lossy fp8 has a measured error on real KV, and any defect in
-encoded bytes is a CodecError (never another exception, never a huge allocation)."""
+"""Codecs: lossless ones are bit-exact, lossy ones (fp8, int8, int4, hadamard) have a measured error
+on real KV, and any defect in encoded bytes is a CodecError (never another exception, never a huge
+allocation)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,22 @@ LOSSLESS = [
     "identity+zstd",
     "zstd+zstd",
 ]
-LOSSY = ["fp8", "fp8+zstd", "fp8+lz4", "fp8+zstd:3"]
+LOSSY = [
+    "fp8",
+    "fp8+zstd",
+    "fp8+lz4",
+    "fp8+zstd:3",
+    "int8",
+    "int8+zstd",
+    "int8:7",  # groups that divide neither the tokens nor head_dim: every part has a short tail
+    "int4",
+    "int4+zstd",
+    "int4:32",
+    "int4:7",
+    "hadamard",
+    "hadamard+int4",
+    "hadamard+int8+zstd",
+]
 ALL = LOSSLESS + LOSSY
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -262,11 +278,35 @@ def test_identity_stores_the_raw_bytes(real_kv):
 # ---------------------------------------------------------------------------------------------
 
 
+# Error bounds on the shared real-KV sample, 256-token chunks of all 30 layers: (worst segment's rms
+# relative error, worst segment's cosine, all segments' rms relative error), about 2x looser than
+# measured (in the comments) in rms, and 5-10x in 1 - cosine. roundtrip_error computes the cosine in
+# float32: about 1e-5 of it is rounding, so no bound is tighter than 0.9999.
+ERROR_BOUNDS: dict[str, tuple[float, float, float]] = {
+    "fp8": (0.05, 0.998, 0.05),  # worst segment rms 0.027, cosine 0.99962; all 0.0265
+    "int8": (0.01, 0.9999, 0.008),  # 0.0046, 0.999986; all 0.0035
+    "int8:7": (0.005, 0.9999, 0.004),  # 0.0023, 0.999991; all 0.0016
+    "int4": (0.15, 0.99, 0.10),  # 0.075, 0.99719; all 0.058
+    "int4:32": (0.13, 0.99, 0.09),  # 0.064, 0.99795; all 0.049
+    "int4:7": (0.08, 0.995, 0.06),  # 0.037, 0.99933; all 0.027
+    "hadamard+int4": (0.15, 0.99, 0.10),  # 0.072, 0.99741; all 0.058
+    "hadamard+int8": (0.01, 0.9999, 0.008),  # 0.0044, 0.999986; all 0.0035
+    "hadamard": (1e-5, 0.9999, 1e-5),  # float32 rounding only: see test_hadamard_round_trip_is_float32_exact
+}
+
+
+def error_bounds(name: str) -> tuple[float, float, float]:
+    """The bounds of a pipeline's value-reading stages (compressors after them change no value)."""
+    stages = [stage.id for stage in make_codec(name).stages if stage.kind is not StageKind.BYTES_BYTES]
+    return ERROR_BOUNDS["+".join(stages)]
+
+
 @pytest.mark.parametrize("name", LOSSY)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_fp8_error_on_real_kv(real_kv, name, dtype):
+def test_lossy_error_on_real_kv(real_kv, name, dtype):
     codec = make_codec(name)
     assert not codec.lossless
+    segment_rms, segment_cosine, total_rms = error_bounds(name)
     originals, decoded = [], []
     for layer in range(real_kv.shape[0]):
         for half in (0, 1):
@@ -274,15 +314,13 @@ def test_fp8_error_on_real_kv(real_kv, name, dtype):
             out = decode(codec, encode(codec, segment), spec_of(segment))
             assert out.dtype == dtype
             error = roundtrip_error(segment, out)
-            # measured worst segment: rms_rel 0.027, cosine 0.99962
-            assert error["rms_rel"] < 0.05 and error["cosine"] > 0.998, (layer, half, error)
+            assert error["rms_rel"] < segment_rms and error["cosine"] > segment_cosine, (layer, half, error)
             originals.append(segment)
             decoded.append(out)
     error = roundtrip_error(torch.stack(originals), torch.stack(decoded))
-    # measured on all 30 layers: rms_rel 0.0265, cosine 0.99965, max_abs 0.75 (|values| up to 20.9)
-    assert error["rms_rel"] < 0.05, error
-    assert error["cosine"] > 0.998, error
-    assert error["rms_rel"] > 1e-4, "fp8 cannot be this accurate: is it quantizing at all?"
+    assert error["rms_rel"] < total_rms, error
+    if name != "hadamard":
+        assert error["rms_rel"] > 1e-4, f"{name} cannot be this accurate: is it quantizing at all?"
 
 
 def test_fp8_sizes_on_real_kv(real_kv):
@@ -341,6 +379,190 @@ def test_fp8_rejects_segments_that_are_not_four_dimensional():
 
 
 # ---------------------------------------------------------------------------------------------
+# int8 and int4 (lossy, group-wise), and the hadamard rotation
+# ---------------------------------------------------------------------------------------------
+
+QUANTIZERS = ["int8", "int4"]
+
+
+def groups_of(spec: SegmentSpec, group: int) -> int:
+    """Groups in a segment: keys per channel in runs of ``group`` tokens, values per token in runs of ``group``
+    channels."""
+    planes, tokens, heads, head_dim = spec.shape
+    return -(-tokens // group) * heads * head_dim + (planes - 1) * tokens * heads * -(-head_dim // group)
+
+
+def test_quantizer_sizes_on_real_kv(real_kv):
+    """Exact sizes (codes plus an fp16 scale and min per group), and the issue's targets: int8 >= 1.9x
+    with zstd after it, int4 >= 3.5x."""
+    raw = 0
+    stored = dict.fromkeys(["int8", "int8+zstd", "int4", "int4+zstd"], 0)
+    for layer in range(real_kv.shape[0]):
+        segment = real_kv[layer, :, :256].contiguous()
+        spec = spec_of(segment)
+        raw += spec.nbytes
+        for name in stored:
+            stored[name] += len(encode(make_codec(name), segment))
+        assert len(encode(make_codec("int8"), segment)) == segment.numel() + 4 * groups_of(spec, 64)
+        assert len(encode(make_codec("int4"), segment)) == segment.numel() // 2 + 4 * groups_of(spec, 64)
+        assert len(encode(make_codec("int4:32"), segment)) == segment.numel() // 2 + 4 * groups_of(spec, 32)
+    ratios = {name: raw / size for name, size in stored.items()}
+    # measured: int8 1.882, int8+zstd 1.935, int4 3.556, int4+zstd 3.75
+    assert ratios["int8+zstd"] >= 1.9 and ratios["int4"] >= 3.5 and ratios["int4+zstd"] > ratios["int4"], ratios
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_quantizers_keep_constant_groups_exact_and_are_not_poisoned_by_inf_or_nan(name, dtype):
+    rng = np.random.default_rng(5)
+    values = torch.from_numpy(rng.uniform(-2.0, 2.0, size=SMALL_SHAPE).astype(np.float32))
+    values[0, :, 0, 0] = 0.0  # an all-zero key channel (one whole group at the default size)
+    values[0, :, 1, 3] = 1.5  # a constant key channel: scale 0, decoded to its min exactly
+    values[1, 7, 0, :] = -2.25  # a constant value group (one token's head)
+    values[0, 3, 1, 2] = float("inf")  # one inf in one key channel
+    values[1, 5, 1, 5] = float("nan")  # one NaN in one token's values
+    values[1, 9, 0, 1] = -float("inf")
+    segment = values.to(dtype)
+    codec = make_codec(name)
+    out = decode(codec, encode(codec, segment), spec_of(segment)).float()
+    assert torch.equal(out[0, :, 0, 0], torch.zeros(SMALL_SHAPE[1]))
+    assert torch.equal(out[0, :, 1, 3], torch.full((SMALL_SHAPE[1],), 1.5))
+    assert torch.equal(out[1, 7, 0, :], torch.full((SMALL_SHAPE[3],), -2.25))
+    finite = torch.isfinite(segment.float())
+    step = 4.0 / (255 if name == "int8" else 15)  # the values span [-2, 2]
+    error = (out - segment.float()).abs()[finite]
+    # half a step of the group's range, plus the fp16 rounding of the min and scale: the groups holding
+    # inf and NaN keep the range of their finite values
+    assert float(error.max()) <= 0.5 * step * 1.01 + 2e-3, float(error.max())
+    assert torch.isfinite(out).all()
+    assert float(out[0, 3, 1, 2]) == float(out[0, :, 1, 2].max()), "+inf decodes to its group's max"
+    assert float(out[1, 9, 0, 1]) == float(out[1, 9, 0].min()), "-inf decodes to its group's min"
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4:32", "int8:5", "int4:1", "hadamard+int4", "int4+zstd"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1, 1, 1), (2, 7, 3, 5), (2, 65, 1, 63), (2, 257, 3, 64), (1, 13, 2, 8), (2, 33, 2, 16)],
+    ids=str,
+)
+def test_quantizers_take_any_token_count_and_head_dim(name, dtype, shape):
+    """Odd token counts and head_dims: the last group of a run is shorter; int4 packs an odd count too."""
+    if name.startswith("hadamard") and shape[-1] & (shape[-1] - 1):
+        pytest.skip("hadamard needs a power-of-two head_dim (its own test checks the error)")
+    generator = torch.Generator().manual_seed(sum(shape))
+    segment = torch.randn(shape, generator=generator).to(dtype)
+    codec = make_codec(name)
+    encoded = encode(codec, segment)
+    out = decode(codec, encoded, spec_of(segment))
+    assert out.shape == segment.shape and out.dtype == dtype
+    error = roundtrip_error(segment, out)
+    bound = 0.01 if "int8" in name else 0.15  # uniform codes over a normal sample: ~0.004 and ~0.08 measured
+    assert error["rms_rel"] < bound, error
+    if name in ("int4", "int4:1"):
+        group = make_codec(name).stages[0].level
+        assert len(encoded) == (segment.numel() + 1) // 2 + 4 * groups_of(spec_of(segment), group)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_keys_are_grouped_per_channel_and_values_per_token(name):
+    """KIVI's grouping: an outlier key channel widens only its own channel's groups (runs of ``group``
+    tokens); an outlier token's values widen only that token's groups."""
+    codec = make_codec(f"{name}:4")  # groups of 4: tokens 0-3, 4-7, ... and channels 0-3, 4-7
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(SMALL_SHAPE, generator=generator)
+    spiked = base.clone()
+    spiked[0, 6, 1, 5] = 100.0  # key: token 6 (group 4-7) of channel (head 1, dim 5)
+    spiked[1, 2, 0, :] *= 50.0  # values: every channel of token 2, head 0
+    plain = decode(codec, encode(codec, base), spec_of(base))
+    out = decode(codec, encode(codec, spiked), spec_of(spiked))
+    changed = out != plain
+    changed[0, 6, 1, 5] = changed[1, 2, 0, :] = False  # the spiked values themselves
+    keys_group = torch.zeros_like(changed[0])
+    keys_group[4:8, 1, 5] = True
+    assert not changed[0][~keys_group].any(), "a key outlier reached another channel or token run"
+    assert changed[0][keys_group].any(), "the outlier's own key group must be quantized with the wider range"
+    assert not changed[1, torch.arange(16) != 2].any(), "a value outlier reached another token"
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "hadamard", "hadamard+int4"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8, torch.bool, torch.float8_e4m3fn], ids=str)
+def test_quantizers_and_hadamard_reject_what_they_cannot_read(name, dtype):
+    codec = make_codec(name)
+    spec = SegmentSpec(dtype, SMALL_SHAPE)
+    data = bytes(spec.nbytes)
+    with pytest.raises(CodecError, match=name.split("+")[0]):
+        codec.encode(memoryview(data), spec)
+    with pytest.raises(CodecError):
+        codec.decode_into(data, spec, memoryview(bytearray(spec.nbytes)))
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("shape", [(2, 16, 16), (3, 4, 2, 8), (2, 2, 4, 2, 8)], ids=str)
+def test_quantizers_reject_segments_that_are_not_kv_shaped(name, shape):
+    spec = SegmentSpec(torch.bfloat16, shape)
+    with pytest.raises(CodecError, match=f"{name} expects segments shaped \\[planes"):
+        make_codec(name).encode(memoryview(bytes(spec.nbytes)), spec)
+
+
+def test_hadamard_matrix_is_orthonormal_and_its_own_inverse():
+    from kvstore.codecs.hadamard import hadamard_matrix
+
+    for size in (1, 2, 8, 64, 128):
+        matrix = hadamard_matrix(size).double()
+        assert torch.allclose(matrix @ matrix, torch.eye(size, dtype=torch.float64), atol=1e-6)
+        assert torch.equal(matrix, matrix.T)
+        assert torch.equal(matrix.abs(), torch.full((size, size), size**-0.5, dtype=torch.float64).float().double())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_hadamard_round_trip_is_float32_exact(real_kv, dtype):
+    """The rotation's output is float32, so it loses only float32 rounding: ~1e-7 relative."""
+    codec = make_codec("hadamard")
+    segment = real_kv[13].to(dtype).contiguous()
+    encoded = encode(codec, segment)
+    assert len(encoded) == segment.numel() * 4, "hadamard's output is float32"
+    assert codec.stages[0].encoded_spec(spec_of(segment)) == SegmentSpec(torch.float32, tuple(segment.shape))
+    rotated = torch.frombuffer(bytearray(encoded), dtype=torch.float32).view(-1, 64)
+    assert not torch.allclose(rotated, segment.float().reshape(-1, 64)), "the values must be rotated"
+    # energy is kept per (token, head) row: the transform is orthonormal
+    assert torch.allclose(rotated.norm(dim=1), segment.float().reshape(-1, 64).norm(dim=1), rtol=1e-5)
+    out = decode(codec, encoded, spec_of(segment))
+    error = roundtrip_error(segment, out)
+    assert error["rms_rel"] < (1e-6 if dtype == torch.float32 else 1e-3), error  # measured 2e-7 (float32)
+    wide = real_kv[13].float().mul(3.7).contiguous()  # values that are not 16-bit numbers
+    assert roundtrip_error(wide, decode(codec, encode(codec, wide), spec_of(wide)))["rms_rel"] < 1e-6
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 3, 6])
+@pytest.mark.parametrize("name", ["hadamard", "hadamard+int4", "hadamard+int8+zstd"])
+def test_hadamard_needs_a_power_of_two_head_dim(name, head_dim):
+    spec = SegmentSpec(torch.bfloat16, (2, 4, 2, head_dim))
+    codec = make_codec(name)
+    with pytest.raises(CodecError, match=f"power of two .* this segment's is {head_dim}"):
+        codec.encode(memoryview(bytes(spec.nbytes)), spec)
+    with pytest.raises(CodecError, match="power of two" if name == "hadamard" else None):
+        codec.decode_into(bytes(2 * spec.nbytes), spec, memoryview(bytearray(spec.nbytes)))
+
+
+def test_the_pipeline_gives_a_rotated_float32_segment_to_the_quantizer_and_undoes_it_into_the_output(real_kv):
+    """hadamard+int4: int4 is given hadamard's float32 spec on encode; on decode int4 decodes that
+    float32 segment, and hadamard (the first stage) writes the caller's buffer in the original dtype."""
+    segment = real_kv[7, :, :256].contiguous()
+    spec = spec_of(segment)
+    hadamard, int4 = make_codec("hadamard").stages[0], make_codec("int4").stages[0]
+    wide_spec = SegmentSpec(torch.float32, spec.shape)
+    rotated = hadamard.encode(tensor_bytes(segment), spec)
+    encoded = encode(make_codec("hadamard+int4"), segment)
+    assert encoded == bytes(int4.encode(memoryview(rotated), wide_spec))
+    by_hand = torch.empty_like(segment)
+    hadamard.decode_into(memoryview(int4.decode(memoryview(encoded), wide_spec)), spec, tensor_bytes(by_hand))
+    out = decode(make_codec("hadamard+int4"), encoded, spec)
+    assert out.dtype == torch.bfloat16 and torch.equal(bits(out), bits(by_hand))
+    assert roundtrip_error(segment, out)["rms_rel"] < 0.1
+
+
+# ---------------------------------------------------------------------------------------------
 # Names, levels and composition
 # ---------------------------------------------------------------------------------------------
 
@@ -350,11 +572,14 @@ def test_every_built_in_stage_declares_its_kind():
     assert kinds == {
         "bytesplit": StageKind.ARRAY_BYTES,
         "fp8": StageKind.ARRAY_BYTES,
+        "hadamard": StageKind.ARRAY_ARRAY,
         "identity": StageKind.BYTES_BYTES,
+        "int4": StageKind.ARRAY_BYTES,
+        "int8": StageKind.ARRAY_BYTES,
         "lz4": StageKind.BYTES_BYTES,
         "zstd": StageKind.BYTES_BYTES,
     }
-    assert all(issubclass(codec, (ArrayBytesCodec, BytesBytesCodec)) for codec in CODECS.values())
+    assert all(issubclass(codec, (ArrayArrayCodec, ArrayBytesCodec, BytesBytesCodec)) for codec in CODECS.values())
     assert str(StageKind.ARRAY_BYTES) == "array→bytes"
 
 
@@ -432,6 +657,10 @@ def test_unknown_codec_lists_valid_names(name):
         ("identity:0", "takes no level"),
         ("fp8:3", "takes no level"),
         ("fp8+zstd:99", "between -7 and 22"),
+        ("int4:0", "group size, between 1 and 65536"),
+        ("int8:-3", "group size, between 1 and 65536"),
+        ("int8:65537", "group size, between 1 and 65536"),
+        ("hadamard:2", "takes no level"),
     ],
 )
 def test_bad_levels(name, fragment):
@@ -466,6 +695,9 @@ def test_a_pipeline_needs_a_stage():
         ("zstd:-5", "zstd:-5"),
         ("bytesplit+lz4", "bytesplit+lz4"),
         ("identity+zstd", "identity+zstd"),
+        ("int4:64", "int4"),
+        ("int8:64+zstd", "int8+zstd"),
+        ("hadamard+int4:32", "hadamard+int4:32"),
     ],
 )
 def test_pipeline_ids_are_canonical_and_parse_back(name, canonical):
@@ -489,6 +721,8 @@ def test_lossless_flags_and_default():
     assert make_codec("bytesplit+lz4").lossless
     assert not make_codec("fp8").lossless
     assert not make_codec("fp8+zstd").lossless
+    for name in ("int8", "int4+zstd", "hadamard", "hadamard+int8"):
+        assert not make_codec(name).lossless, name
     assert make_codec("identity").is_identity
     assert not make_codec("identity+zstd").is_identity
 
@@ -693,6 +927,26 @@ WRITTEN_BEFORE = {
         "fef9f9f8f8f1efebe400626b716e707172767778787a7b7b7b7e7e7e7e"
     ),
 }
+# The lossy integer codecs' formats as first written (2026-11): group sizes with full groups and short tails.
+WRITTEN_BY_QUANTIZERS = {
+    "int8": (
+        "0622062206220622061a061a061a061a00c280c100c180c0003c0040004200440000000055555555aaaaaaaaffffffff"
+        "0055aaff0055aaff0055aaff0055aaff"
+    ),
+    "int8:3": (
+        "042004200420042000000000000000000418041804180418000000000000000000c280c100c180c0000000340038003a"
+        "003c004000420044003f80418043c0440000000080808080ffffffff000000000080ff000080ff000080ff000080ff00"
+    ),
+    "int4": "6632663266326632662a662a662a662a00c280c100c180c0003c0040004200440050a0f00555a5f50a5aaafa0f5fafff",
+    "int4:3": (
+        "443044304430443000000000000000004428442844284428000000000000000000c280c100c180c0000000340038003a"
+        "003c004000420044003f80418043c0440080f0000888f8080f8fff0f0080f000"
+    ),
+    "hadamard+int4:2": (
+        "44300000000000004430000000000000663244285535442877374428cd38442840c500b400b8000000bd00b400b80000"
+        "00b400b800b400b800b400b800b400b8f00000f0ff0000f0f00000f0ff0000f0"
+    ),
+}
 
 
 @pytest.mark.parametrize("stored_id, encoded", WRITTEN_BEFORE.items(), ids=list(WRITTEN_BEFORE))
@@ -704,6 +958,16 @@ def test_segments_written_before_still_decode(stored_id, encoded):
         assert_bit_exact(decoded, OLD_SEGMENT)
     else:
         assert roundtrip_error(OLD_SEGMENT, decoded)["rms_rel"] < 2**-4
+
+
+@pytest.mark.parametrize("stored_id, encoded", WRITTEN_BY_QUANTIZERS.items(), ids=list(WRITTEN_BY_QUANTIZERS))
+def test_quantizer_formats_never_change(stored_id, encoded):
+    """A codec name is written into chunks: its byte format is frozen (a new format takes a new name)."""
+    codec = make_codec(stored_id)
+    assert codec.id == stored_id
+    assert encode(codec, OLD_SEGMENT).hex() == encoded
+    decoded = decode(codec, bytes.fromhex(encoded), spec_of(OLD_SEGMENT))
+    assert roundtrip_error(OLD_SEGMENT, decoded)["rms_rel"] < 0.1
 
 
 # ---------------------------------------------------------------------------------------------

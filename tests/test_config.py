@@ -11,7 +11,7 @@ import pytest
 
 import kvstore
 from kvstore import ConfigError, KVLayout, KVStore, StoreConfig
-from kvstore.codecs import CODECS
+from kvstore.codecs import CODECS, make_codec
 from kvstore.util.units import parse_duration, parse_size
 
 MiB = 1 << 20
@@ -308,6 +308,58 @@ def test_bad_codec_from_env(monkeypatch):
     with pytest.raises(ConfigError) as excinfo:
         StoreConfig()
     assert_mentions(error_text(excinfo), "disk.codec", "brotli", "bytesplit")
+
+
+# -- lossy codecs: never chosen silently ---------------------------------------------------------------
+
+LOSSY_CODECS = ["fp8", "int8+zstd", "int4", "hadamard+int4", "hadamard"]
+
+
+@pytest.mark.parametrize("section", ["disk", "redis", "s3"])
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+def test_a_lossy_codec_without_allow_lossy_is_refused_naming_the_option(section, codec):
+    extra = {"bucket": "kv"} if section == "s3" else {}
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(**{section: {"codec": codec, **extra}})
+    assert_mentions(
+        error_text(excinfo),
+        f"{section}.codec {codec!r} is lossy",
+        f"set {section}.allow_lossy = true",
+        f"KVSTORE_{section.upper()}__ALLOW_LOSSY=true",
+        "bytesplit",
+    )
+    config = StoreConfig(**{section: {"codec": codec, "allow_lossy": True, **extra}})
+    assert getattr(config, section).codec == codec and getattr(config, section).allow_lossy
+
+
+def test_lossless_codecs_need_no_opt_in_and_the_defaults_are_lossless():
+    config = StoreConfig(disk={"codec": "bytesplit+lz4"}, redis={"codec": "zstd:3"})
+    assert not config.disk.allow_lossy and not config.redis.allow_lossy and not config.s3.allow_lossy
+    for section in (config.disk, config.redis, config.s3):
+        assert make_codec(section.codec).lossless, section
+
+
+def test_allow_lossy_from_toml_and_env(tmp_path, monkeypatch):
+    path = write_toml(tmp_path, '[disk]\ncodec = "int8+zstd"\nallow_lossy = true\n')
+    assert StoreConfig.load(path).disk.codec == "int8+zstd"
+    monkeypatch.setenv("KVSTORE_REDIS__CODEC", "int4")
+    with pytest.raises(ConfigError, match="redis.allow_lossy = true"):
+        StoreConfig()
+    monkeypatch.setenv("KVSTORE_REDIS__ALLOW_LOSSY", "true")
+    assert StoreConfig().redis.codec == "int4"
+
+
+def test_assigning_a_lossy_codec_is_refused_and_changes_nothing():
+    config = StoreConfig()
+    with pytest.raises(ConfigError) as excinfo:
+        config.disk.codec = "int4"
+    assert_mentions(error_text(excinfo), "disk.codec 'int4' is lossy", "disk.allow_lossy = true")
+    assert config.disk.codec == "identity"
+    config.disk.allow_lossy = True
+    config.disk.codec = "int4"
+    with pytest.raises(ConfigError, match="disk.allow_lossy"):
+        config.disk.allow_lossy = False  # would leave a lossy codec without its opt-in
+    assert config.disk.allow_lossy and config.disk.codec == "int4"
 
 
 @pytest.mark.parametrize(
@@ -625,7 +677,7 @@ def test_remote_tiers_are_off_by_default_and_configurable_from_toml(tmp_path):
     path = write_toml(
         tmp_path,
         '[s3]\nenabled = true\nbucket = "kv-archive"\nendpoint_url = "http://127.0.0.1:9000"\n'
-        'part_size = "16MiB"\ncodec = "fp8+zstd"\n[redis]\nenabled = true\nurl = "redis://cache:6379/2"\n'
+        'part_size = "16MiB"\ncodec = "fp8+zstd"\nallow_lossy = true\n[redis]\nenabled = true\nurl = "redis://cache:6379/2"\n'
         "cluster = true\nttl = 3600\n",
     )
     config = StoreConfig.load(path)

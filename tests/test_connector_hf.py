@@ -35,6 +35,7 @@ from transformers import (
 )
 
 from kvstore import StoreConfig, SyncKVStore
+from kvstore.codecs import make_codec
 from kvstore.connectors.hf import HFConnector, layout_for_model
 from kvstore.storage.container import parse_header
 from kvstore.testing.slow_proxy import SlowProxy
@@ -108,21 +109,22 @@ def agreement(got: Reply, want: Reply) -> tuple[int, float, float]:
 
 
 def tier_config(tier: str, tmp_path: Path, request, monkeypatch, codec: str = "identity") -> StoreConfig:
-    """DRAM plus the one tier under test (DRAM alone for 'dram')."""
+    """DRAM plus the one tier under test (DRAM alone for 'dram'); a lossy codec is allowed explicitly."""
     dram = {"capacity": "256MiB"}
     if tier == "dram":
         return StoreConfig(dram=dram, disk={"enabled": False})
+    allow_lossy = not make_codec(codec).lossless
     if tier == "disk":
-        return StoreConfig(dram=dram, disk={"path": tmp_path / "disk", "codec": codec})
+        return StoreConfig(dram=dram, disk={"path": tmp_path / "disk", "codec": codec, "allow_lossy": allow_lossy})
     prefix = f"hf-{uuid.uuid4().hex[:8]}"
     if tier == "redis":
         server = request.getfixturevalue("redis_server")
-        redis = {"enabled": True, "url": server.url, "prefix": prefix, "codec": codec}
+        redis = {"enabled": True, "url": server.url, "prefix": prefix, "codec": codec, "allow_lossy": allow_lossy}
         return StoreConfig(dram=dram, disk={"enabled": False}, redis=redis)
     server = request.getfixturevalue(f"{tier}_server")  # moto or seaweedfs
     for name, value in server.credentials_env().items():
         monkeypatch.setenv(name, value)
-    s3 = {"enabled": True, "bucket": TEST_BUCKET, "prefix": prefix, "codec": codec}
+    s3 = {"enabled": True, "bucket": TEST_BUCKET, "prefix": prefix, "codec": codec, "allow_lossy": allow_lossy}
     return StoreConfig(dram=dram, disk={"enabled": False}, s3=s3)
 
 

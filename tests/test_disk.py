@@ -15,15 +15,18 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
-from kvstore.codecs import make_codec
+from kvstore.codecs import BytesBytesCodec, CodecRegistry, SegmentSpec, make_codec
+from kvstore.codecs import registry as codec_registry
 from kvstore.engine.dram import SlabPool
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
+from kvstore.storage import container
 from kvstore.storage.container import encode_chunk, header_size
 from kvstore.storage.tier import ChunkTier
 from kvstore.testing import MemoryBackend, listed_keys, read_chunk, write_chunk
@@ -948,6 +951,60 @@ async def test_a_chunk_written_for_another_layout_is_a_foreign_miss_left_for_its
     assert tier.stats.foreign == 2
     assert tier.stats.corrupt == 0 and tier.stats.hits == 0 and tier.stats.errors == 0
     assert disk.path_for(key).read_bytes() == owned, "another layout's chunk is left for its owner"
+
+
+@pytest.mark.parametrize("writer", ["int4", "int8+zstd", "hadamard+int4", "fp8"])
+@pytest.mark.parametrize("reader", ["identity", "bytesplit"])
+async def test_a_lossy_chunk_decodes_with_the_codec_its_header_names_whatever_the_reader_is_configured_with(
+    disk: DiskBackend, writer: str, reader: str
+):
+    """The container records the codec chain: a reader configured with another codec gives the
+    writer codec's numbers, never the stored bytes read as if they were its own."""
+    chunk = make_chunk(5)
+    key = hexkey(f"lossy-{writer}")
+    await write_chunk(make_tier(disk, writer), key, chunk_view(chunk))
+    codec, spec = make_codec(writer), SegmentSpec(LAYOUT.dtype, LAYOUT.layer_shape)
+    expected = torch.empty_like(chunk)
+    for layer in range(LAYOUT.num_layers):  # what the writer's codec gives back, layer by layer
+        encoded = codec.encode(tensor_bytes(chunk[layer].contiguous()), spec)
+        codec.decode_into(encoded, spec, tensor_bytes(expected[layer]))
+    tier = make_tier(disk, reader)
+    out = torch.empty_like(chunk)
+    assert await read_chunk(tier, key, tensor_bytes(out))
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert not torch.equal(out.view(torch.int16), chunk.view(torch.int16)), "lossy: bit-exact means not applied"
+    assert tier.stats.hits == 1 and tier.stats.corrupt == 0 and tier.stats.foreign == 0
+
+
+class _PluginXor(BytesBytesCodec):
+    """A plugin's compressor that the reading process does not have."""
+
+    name = "test-xor"
+
+    def encode(self, data: memoryview, spec: SegmentSpec) -> bytes:
+        return (np.frombuffer(data, dtype=np.uint8) ^ 0xFF).tobytes()
+
+    def decode(self, data: memoryview, spec: SegmentSpec) -> bytes:
+        return self.encode(data, spec)
+
+
+async def test_a_chunk_written_with_a_codec_this_process_lacks_is_a_foreign_miss_left_in_place(
+    disk: DiskBackend, monkeypatch: pytest.MonkeyPatch
+):
+    with_plugin = CodecRegistry()
+    with_plugin.register(_PluginXor)
+    monkeypatch.setattr(codec_registry, "default_registry", with_plugin)
+    key = hexkey("plugin")
+    await write_chunk(make_tier(disk, "int4+test-xor"), key, chunk_view(make_chunk(6)))
+    monkeypatch.setattr(codec_registry, "default_registry", CodecRegistry())  # a process without the plugin
+    container._codec_named.cache_clear()
+    stored = disk.path_for(key).read_bytes()
+    tier = make_tier(disk, "int4")
+    out = bytearray(LAYOUT.chunk_nbytes)
+    assert await read_chunk(tier, key, memoryview(out)) is False
+    assert tier.stats.foreign == 1 and tier.stats.corrupt == 0 and tier.stats.hits == 0
+    assert disk.path_for(key).read_bytes() == stored, "a chunk another process can decode is left for it"
+    container._codec_named.cache_clear()
 
 
 @pytest.mark.parametrize("codec", CODECS)

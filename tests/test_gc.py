@@ -94,7 +94,7 @@ def backend_for(setup: Setup, tier: str, namespace: str):
     return make_backend(getattr(setup.config, tier), TimeoutConfig(), directory)
 
 
-def write_chunks(setup: Setup, tier: str, namespace: str, keys: list[str]) -> None:
+def write_chunks(setup: Setup, tier: str, namespace: str, keys: list[str], codec: str = "identity") -> None:
     """Real chunk containers through the tier's own write path, 500 at a time; existing ones are rewritten.
 
     (The disk backend is not opened: its index would make the tier skip chunks already on disk.)
@@ -102,7 +102,7 @@ def write_chunks(setup: Setup, tier: str, namespace: str, keys: list[str]) -> No
 
     async def write() -> None:
         backend = backend_for(setup, tier, namespace)
-        chunk_tier = ChunkTier(backend, make_codec("identity"), LAYOUT, None)
+        chunk_tier = ChunkTier(backend, make_codec(codec), LAYOUT, None)
         if tier != "disk":
             await chunk_tier.open()
         try:
@@ -215,6 +215,33 @@ def test_ls_and_stats_count_per_namespace(setup: Setup) -> None:
     assert code == EXIT_OK and out.count(" alpha ") + out.count(" beta ") == 5, out
     code, out = setup.invoke("stats", "--tier", "disk")
     assert code == EXIT_OK and "alpha" in out and "beta" in out, out
+
+
+def test_ls_shows_the_codecs_each_namespace_is_stored_with(setup: Setup) -> None:
+    for tier in ("disk", "redis", "s3"):
+        write_chunks(setup, tier, "lossy", random_keys(3), codec="int4+zstd")
+        write_chunks(setup, tier, "lossy", random_keys(2), codec="bytesplit")
+        write_chunks(setup, tier, "plain", random_keys(4))
+    code, out = setup.invoke("ls", "--json")
+    assert code == EXIT_OK, out
+    rows = {(row["tier"], row["namespace"]): row for row in json.loads(out)}
+    for tier in ("disk", "s3"):  # read from each chunk's header
+        assert rows[(tier, "lossy")]["codecs"] == {"int4+zstd": 3, "bytesplit": 2}
+        assert rows[(tier, "plain")]["codecs"] == {"identity": 4}
+    assert rows[("redis", "lossy")]["codecs"] is None, "by default a read would restart Redis idle times"
+    code, out = setup.invoke("ls", "--tier", "redis", "--codecs", "--json")
+    assert code == EXIT_OK, out
+    assert {row["namespace"]: row["codecs"] for row in json.loads(out)} == {
+        "lossy": {"int4+zstd": 3, "bytesplit": 2},
+        "plain": {"identity": 4},
+    }
+    code, out = setup.invoke("ls", "--tier", "s3", "--chunks", "--json")
+    assert code == EXIT_OK, out
+    assert sorted(row["codec"] for row in json.loads(out)) == ["bytesplit"] * 2 + ["identity"] * 4 + ["int4+zstd"] * 3
+    code, out = setup.invoke("ls", "--tier", "disk", "--no-codecs", "--json")
+    assert code == EXIT_OK and all(row["codecs"] is None for row in json.loads(out)), out
+    code, out = setup.invoke("ls")
+    assert code == EXIT_OK and "int4+zstd" in out and "(not read" in out, out
 
 
 # == Redis =====================================================================================

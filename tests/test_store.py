@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import textwrap
@@ -473,3 +474,19 @@ async def test_close_after_a_failed_open_does_not_raise(tmp_path: Path) -> None:
     await store.close()  # an engine's cleanup path: must not raise a second error
     with pytest.raises(StoreClosedError):
         await store.lookup([])
+
+
+async def test_a_lossy_tier_is_logged_at_open_and_its_stats_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    lossy = config(tmp_path, disk={"path": tmp_path / "disk", "codec": "int8+zstd", "allow_lossy": True})
+    with caplog.at_level(logging.INFO, logger="kvstore"):
+        async with KVStore(lossy, LAYOUT, namespace="test") as store:
+            stats = store.stats()
+    assert stats["disk"]["codec"] == "int8+zstd" and stats["disk"]["lossless"] is False
+    said = [record.getMessage() for record in caplog.records if "lossy" in record.getMessage()]
+    assert said == ["kvstore: the disk tier stores KV with the lossy codec 'int8+zstd' (allow_lossy)"]
+    caplog.clear()
+    lossless = config(tmp_path, disk={"path": tmp_path / "other", "codec": "bytesplit"})
+    with caplog.at_level(logging.INFO, logger="kvstore"):
+        async with KVStore(lossless, LAYOUT, namespace="test") as store:
+            assert store.stats()["disk"]["lossless"] is True
+    assert not [record for record in caplog.records if "lossy" in record.getMessage()]

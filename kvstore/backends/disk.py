@@ -425,6 +425,16 @@ class DiskBackend(Backend):
 
         return await in_thread(self._executor, read)
 
+    async def read_head(self, item: StoredObject, size: int) -> bytes | None:
+        def read() -> bytes | None:
+            try:
+                with open(f"{self._root_text}/{self._relative(item.key, item.namespace)}", "rb", buffering=0) as file:
+                    return file.read(size)
+            except FileNotFoundError:
+                return None
+
+        return await in_thread(self._executor, read)
+
     async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
         for batch in pages(items):
             yield await in_thread(self._executor, self._remove_batch, batch)

@@ -70,6 +70,9 @@ class Maintenance:
     name: ClassVar[str]
     # What StoredObject.when means here: "last write" or "last access" (reads refresh it).
     age_basis: ClassVar[str] = "last write"
+    # Whether reading an object refreshes that age (Redis: its idle time), so a tool that only
+    # looks (ls reading chunk headers) would make everything it read look fresh to gc.
+    reads_refresh_age: ClassVar[bool] = False
 
     def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
         """Every chunk object of every namespace ``namespaces`` accepts (default all), a page at a time."""
@@ -78,6 +81,12 @@ class Maintenance:
     async def read_object(self, item: StoredObject) -> bytes | None:
         """The listed object's bytes (None if it is gone), for ``kvstore verify``."""
         raise NotImplementedError(f"the {self.name} backend cannot be read by the kvstore tools")
+
+    async def read_head(self, item: StoredObject, size: int) -> bytes | None:
+        """The listed object's first ``size`` bytes (all of it if shorter), for ``kvstore ls``'s codec
+        column; None if it is gone. Default: the whole object, cut; backends override with a ranged read."""
+        data = await self.read_object(item)
+        return None if data is None else data[:size]
 
     def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
         """``item`` as :meth:`read_object` found it, for a removal that must spare a rewritten object.

@@ -89,6 +89,7 @@ class RedisBackend(Backend):
 
     name = "redis"
     age_basis = "last access"  # Redis keeps each key's idle time; reads and writes restart it
+    reads_refresh_age = True
 
     def __init__(
         self,
@@ -433,6 +434,13 @@ class RedisBackend(Backend):
         data: bytes | None = await self._call("GET", lambda c: c.get(name))
         self.bytes_in += len(data or b"")
         return data
+
+    async def read_head(self, item: StoredObject, size: int) -> bytes | None:
+        """GETRANGE (which restarts the key's idle time, as any read does: see ``reads_refresh_age``)."""
+        name = self._name(item.key, item.namespace)
+        data: bytes = await self._call("GETRANGE", lambda c: c.getrange(name, 0, size - 1))
+        self.bytes_in += len(data)
+        return data or None  # Redis answers b"" for an absent key; a chunk is never empty
 
     def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
         """Reading restarted the key's idle time, so the removal checks the bytes read instead."""

@@ -52,22 +52,54 @@ def tier_names(tiers: list[str] | None) -> list[str] | None:
     return names or None
 
 
+Listing = dict[str, list[inventory.StoredObject]]
+Codecs = dict[str, list[str | None] | None]  # per tier, each listed object's codec; None: headers not read
+
+
 async def list_all(
-    config: StoreConfig, tiers: list[str] | None, namespaces: list[str] | None
-) -> tuple[dict[str, str], dict[str, list[inventory.StoredObject]]]:
-    """Every selected tier's objects, with a progress line per tier; also each tier's age basis."""
+    config: StoreConfig, tiers: list[str] | None, namespaces: list[str] | None, codecs: bool | None = False
+) -> tuple[dict[str, str], Listing, Codecs]:
+    """Every selected tier's objects, with a progress line per tier; also each tier's age basis.
+
+    ``codecs``: read each object's header for its codec pipeline (one small read per object):
+    True everywhere, False nowhere, None where reading leaves the listed ages alone (not Redis,
+    whose idle times a read restarts, which would make every chunk look fresh to gc).
+    """
     accept = inventory.namespace_filter(namespaces or [])
-    listed, basis = {}, {}
+    listed: Listing = {}
+    basis: dict[str, str] = {}
+    found: Codecs = {}
     async with inventory.tool_backends(config, tiers) as backends:
         with progress_bar() as bar:
             for name, backend in backends.items():
                 task = bar.add_task(f"listing {name}", total=None)
                 listed[name] = await inventory.list_objects(backend, accept, lambda n, t=task: bar.advance(t, n))
                 basis[name] = backend.age_basis
-    return basis, listed
+                found[name] = None
+                if codecs or (codecs is None and not backend.reads_refresh_age):
+                    task = bar.add_task(f"reading {name} chunk headers", total=len(listed[name]))
+                    step = lambda n, t=task: bar.advance(t, n)  # noqa: E731
+                    found[name] = await inventory.read_codecs(backend, listed[name], on_read=step)
+    return basis, listed, found
+
+
+def codec_text(codecs: dict[str, int], tier: str, found: Codecs) -> str:
+    """A namespace's codecs for a table cell: ``int4+zstd`` alone, or each with its chunk count."""
+    if found.get(tier) is None:
+        return "(not read: --codecs)" if tier == "redis" else "(not read)"
+    if len(codecs) == 1:
+        return next(iter(codecs))
+    return ", ".join(f"{codec} ({count:,})" for codec, count in codecs.items())
 
 
 # -- ls and stats -------------------------------------------------------------------------------
+
+
+def _with_codecs(
+    items: list[inventory.StoredObject], codecs: list[str | None] | None
+) -> list[tuple[inventory.StoredObject, str | None]]:
+    """Each object with its codec (None: not read, or gone since listed)."""
+    return list(zip(items, codecs if codecs is not None else [None] * len(items), strict=True))
 
 
 def ls(
@@ -77,33 +109,54 @@ def ls(
     chunks: Annotated[bool, typer.Option("--chunks", help="one row per chunk instead of per namespace")] = False,
     limit: Annotated[int, typer.Option(help="rows to show with --chunks, most recent first (0: all)")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    codecs: Annotated[
+        bool | None,
+        typer.Option(
+            "--codecs/--no-codecs",
+            help="read each chunk's header for the codec it is stored with (one small read per chunk). "
+            "Default: on disk and S3; not on Redis, where a read restarts the idle time gc goes by",
+        ),
+    ] = None,
 ) -> None:
-    """What each tier holds, per namespace: chunks, bytes, oldest and newest (or each chunk with --chunks)."""
+    """What each tier holds, per namespace: chunks, bytes, oldest and newest, codecs (or each chunk with --chunks)."""
     settings = load_config(config)
-    basis, listed = run(lambda: list_all(settings, tier_names(tier), namespace))
+    basis, listed, found = run(lambda: list_all(settings, tier_names(tier), namespace, codecs))
     now = time.time()
     if chunks:
-        rows = sorted(((name, item) for name, items in listed.items() for item in items), key=lambda r: -r[1].when)
+        rows = sorted(
+            (
+                (name, item, codec_of)
+                for name, items in listed.items()
+                for item, codec_of in _with_codecs(items, found[name])
+            ),
+            key=lambda r: -r[1].when,
+        )
         rows = rows[:limit] if limit else rows
         if as_json:
             fields = ("namespace", "key", "size", "when")
-            typer.echo(json.dumps([{"tier": t, **{f: getattr(i, f) for f in fields}} for t, i in rows], indent=1))
+            document = [{"tier": t, **{f: getattr(i, f) for f in fields}, "codec": c} for t, i, c in rows]
+            typer.echo(json.dumps(document, indent=1))
             return
-        columns = ("tier", "namespace", "key", "bytes", "age")
-        table = make_table(f"chunks, most recent first ({len(rows)} shown)", columns, left=columns[:3])
-        for name, item in rows:
-            table.add_row(name, item.namespace, item.key, f"{item.size:,}", human_age(now - item.when))
+        columns = ("tier", "namespace", "key", "bytes", "age", "codec")
+        table = make_table(f"chunks, most recent first ({len(rows)} shown)", columns, left=(*columns[:3], "codec"))
+        for name, item, codec_of in rows:
+            shown = codec_of or ("(gone)" if found[name] is not None else "(not read)")
+            table.add_row(name, item.namespace, item.key, f"{item.size:,}", human_age(now - item.when), shown)
         console.print(table)
         return
-    summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now)]
+    summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now, found[name])]
     if as_json:
         fields = ("tier", "namespace", "chunks", "bytes", "oldest", "newest")
-        typer.echo(json.dumps([{f: getattr(row, f) for f in fields} for row in summaries], indent=1))
+        document = [
+            {**{f: getattr(row, f) for f in fields}, "codecs": row.codecs if found[row.tier] is not None else None}
+            for row in summaries
+        ]
+        typer.echo(json.dumps(document, indent=1))
         return
     table = make_table(
         "kvstore ls: chunks per tier and namespace",
-        ("tier", "namespace", "chunks", "bytes", "oldest", "newest", "age is since"),
-        left=("tier", "namespace", "age is since"),
+        ("tier", "namespace", "chunks", "bytes", "oldest", "newest", "age is since", "codecs"),
+        left=("tier", "namespace", "age is since", "codecs"),
     )
     for row in summaries:
         table.add_row(
@@ -114,6 +167,7 @@ def ls(
             human_age(now - row.oldest),
             human_age(now - row.newest),
             basis[row.tier],
+            codec_text(row.codecs, row.tier, found),
         )
     console.print(table)
     if not summaries:
@@ -128,7 +182,7 @@ def stats(
 ) -> None:
     """Per tier and namespace: chunks, bytes, average chunk size and an age histogram."""
     settings = load_config(config)
-    basis, listed = run(lambda: list_all(settings, tier_names(tier), namespace))
+    basis, listed, _ = run(lambda: list_all(settings, tier_names(tier), namespace))
     now = time.time()
     summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now)]
     labels = [label for _, label in inventory.AGE_BUCKETS]

@@ -28,11 +28,12 @@ from kvstore.cli.console import TierUnreachable
 from kvstore.config import RedisConfig, S3Config, StoreConfig
 from kvstore.errors import ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
-from kvstore.storage.container import check_stored_chunk
+from kvstore.storage.container import HEADER_ALIGN, check_stored_chunk, header_codec, header_length
 from kvstore.util.threads import in_thread
 from kvstore.util.units import clip
 
 TIERS = ("disk", "redis", "s3")
+NOT_A_CHUNK = "(not a chunk)"  # ls's codec for an object whose header does not check out
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (
     (3600, "< 1h"),
     (86400, "1h-1d"),
@@ -164,9 +165,49 @@ async def list_objects(
 # -- ls and stats --------------------------------------------------------------------------------
 
 
+async def read_codec(backend: Backend, item: StoredObject) -> str | None:
+    """The codec pipeline ``item`` is stored with, from its header (one small ranged read); None if it is gone.
+
+    An object whose header does not check out reads as :data:`NOT_A_CHUNK` (``verify`` says why).
+    """
+    with reaching(backend):
+        head = await backend.read_head(item, HEADER_ALIGN)  # every header of up to ~250 layers fits
+        if head is None:
+            return None
+        try:
+            needed = header_length(head)
+            if needed > len(head):
+                head = await backend.read_head(item, needed)
+                if head is None:
+                    return None
+            return header_codec(head)
+        except ChunkFormatError:
+            return NOT_A_CHUNK
+
+
+async def read_codecs(
+    backend: Backend,
+    objects: Sequence[StoredObject],
+    concurrency: int = 16,
+    on_read: Callable[[int], None] | None = None,
+) -> list[str | None]:
+    """:func:`read_codec` of each object, ``concurrency`` reads in flight, in the order of ``objects``."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(item: StoredObject) -> str | None:
+        async with slots:
+            codec = await read_codec(backend, item)
+        if on_read is not None:
+            on_read(1)
+        return codec
+
+    return list(await asyncio.gather(*(one(item) for item in objects)))
+
+
 @dataclass
 class NamespaceSummary:
-    """One namespace in one tier: chunk count, bytes, oldest and newest times, chunks per age bucket."""
+    """One namespace in one tier: chunk count, bytes, oldest and newest times, chunks per age bucket,
+    and chunks per codec pipeline (empty when the headers were not read)."""
 
     tier: str
     namespace: str
@@ -175,12 +216,15 @@ class NamespaceSummary:
     oldest: float = math.inf  # Unix times
     newest: float = 0.0
     ages: list[int] = field(default_factory=lambda: [0] * len(AGE_BUCKETS))  # chunks per AGE_BUCKETS bucket
+    codecs: dict[str, int] = field(default_factory=dict)  # chunks per codec pipeline id, most first
 
 
-def summarize(tier: str, objects: Sequence[StoredObject], now: float) -> list[NamespaceSummary]:
-    """One row per namespace, largest first."""
+def summarize(
+    tier: str, objects: Sequence[StoredObject], now: float, codecs: Sequence[str | None] | None = None
+) -> list[NamespaceSummary]:
+    """One row per namespace, largest first; ``codecs`` (one per object, None: gone since listed) are counted."""
     rows: dict[str, NamespaceSummary] = {}
-    for item in objects:
+    for index, item in enumerate(objects):
         row = rows.setdefault(item.namespace, NamespaceSummary(tier, item.namespace))
         row.chunks += 1
         row.bytes += item.size
@@ -188,6 +232,11 @@ def summarize(tier: str, objects: Sequence[StoredObject], now: float) -> list[Na
         row.newest = max(row.newest, item.when)
         age = now - item.when
         row.ages[next(i for i, (limit, _) in enumerate(AGE_BUCKETS) if age < limit)] += 1
+        codec = codecs[index] if codecs is not None else None
+        if codec is not None:
+            row.codecs[codec] = row.codecs.get(codec, 0) + 1
+    for row in rows.values():
+        row.codecs = dict(sorted(row.codecs.items(), key=lambda entry: (-entry[1], entry[0])))
     return sorted(rows.values(), key=lambda row: (-row.bytes, row.namespace))
 
 

@@ -5,13 +5,13 @@ into a pipeline written ``"fp8+zstd"`` or ``"bytesplit:3"`` (``name[:level]``, j
 As in zarr v3, a stage is typed by what it takes and what it gives:
 
 - :class:`ArrayArrayCodec`, array→array: reads the segment's values and gives values again, of
-  the same or another dtype and shape (:meth:`Codec.encoded_spec` says which). No built-in
-  stage is one; the kind is there for third-party transforms (a delta, a cast) that a
+  the same or another dtype and shape (:meth:`Codec.encoded_spec` says which): ``hadamard``
+  (a rotation over head_dim, float32 out), or a third-party transform (a delta, a cast) that a
   serializer or compressor should see as values.
 - :class:`ArrayBytesCodec`, array→bytes, a *serializer*: reads values and gives an opaque byte
-  layout (byte-split's two planes, fp8's scales and codes). Its output is no longer values,
-  so no stage that reads values can follow it, and a pipeline has at most one. Without one,
-  the values' raw memory layout is the serialization.
+  layout (byte-split's two planes, fp8's and int8/int4's scales and codes). Its output is no
+  longer values, so no stage that reads values can follow it, and a pipeline has at most one.
+  Without one, the values' raw memory layout is the serialization.
 - :class:`BytesBytesCodec`, bytes→bytes: a compressor that never looks at values (zstd, lz4,
   identity), so any number of them may follow, in any order.
 

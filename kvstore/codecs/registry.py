@@ -30,7 +30,10 @@ from typing import TypeVar
 from kvstore.codecs.base import Codec, stage_kind
 from kvstore.codecs.bytesplit import ByteSplitCodec
 from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.codecs.hadamard import HadamardCodec
 from kvstore.codecs.identity import IdentityCodec
+from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.lz4 import Lz4Codec
 from kvstore.codecs.pipeline import CodecPipeline
 from kvstore.codecs.zstd import ZstdCodec
@@ -40,6 +43,7 @@ MAX_CODEC_NAME = 64  # of a whole pipeline name, as chunk headers store it
 DEFAULT_REMOTE_CODEC = "bytesplit"
 
 BUILTIN_CODECS: tuple[type[Codec], ...] = (IdentityCodec, ZstdCodec, Lz4Codec, ByteSplitCodec, Fp8Codec)
+BUILTIN_CODECS += (Int8Codec, Int4Codec, HadamardCodec)  # lossy: group-wise integer codes, a rotation before them
 CODECS: Mapping[str, type[Codec]] = MappingProxyType({codec.name: codec for codec in BUILTIN_CODECS})
 """The built-in stages by name; :func:`available_codecs` lists third-party ones too."""
 

@@ -55,6 +55,7 @@ TARGETS = {
 }
 RAW_THREADS = 2  # the raw file baselines' threads: what a careful engineer would use on this 2-core machine
 CODECS = ["zstd", "lz4", "bytesplit", "fp8", "fp8+zstd"]
+CODECS += ["int8", "int8+zstd", "int4", "int4+zstd", "int4:32", "hadamard+int4", "hadamard+int8+zstd"]  # lossy
 
 
 @dataclass
@@ -398,6 +399,7 @@ def bench_codecs(sample: torch.Tensor, repeats: int) -> list[CodecRow]:
         else:
             measured = roundtrip_error(sample, out)
             error = f"rms rel {measured['rms_rel']:.4f}, cosine {measured['cosine']:.5f}"
+            error += f", max abs {measured['max_abs']:.3f}"
         encode_mbps, decode_mbps = per_second(nbytes, encode_time, MB), per_second(nbytes, decode_time, MB)
         results.append(CodecRow("", codec.id, nbytes, stored, encode_mbps, decode_mbps, codec.lossless, error))
     return results

@@ -154,6 +154,10 @@ class KVStore:
             self._auto = AutoMode(self, self._tracker, self.config.adaptive, self.config.dram_bounds(), self.adaptive)
         for tier in self.tiers:
             await tier.open()
+            if not tier.codec.lossless:  # allowed by the config's allow_lossy; said once, where logs are read
+                log.info(
+                    "kvstore: the %s tier stores KV with the lossy codec %r (allow_lossy)", tier.name, tier.codec.id
+                )
         for tier in self.tiers:
             queue: asyncio.Queue[tuple[ChunkKey, int]] = asyncio.Queue(self.config.queue_depth)
             self._queues.append(queue)

@@ -330,6 +330,16 @@ class StoredChunk:
     encrypted: bool
 
 
+def header_codec(head: Buffer) -> str:
+    """The codec pipeline id a chunk's header names, from the object's first bytes (at least the
+    whole header: :func:`header_length` says how many), the header's checksum checked.
+
+    For ``kvstore ls``: no layout, key or codec of this process is needed. Raises ChunkFormatError.
+    """
+    view = as_bytes_view(head)
+    return _codec_name(view, _checked_fields(view))
+
+
 def check_stored_chunk(data: Buffer, key: ChunkKey) -> StoredChunk:
     """Check every byte of a stored object that should be chunk ``key``, with no layout at hand.
 

@@ -424,7 +424,13 @@ class ChunkTier:
 
     def stats_dict(self) -> dict[str, Any]:
         """The tier's counters, then the backend's own figures (the tier's win a name clash), and its breaker's."""
-        return {**self.backend.stats(), **self.stats.as_dict(), "codec": self.codec.id, "breaker": self.breaker.stats()}
+        return {
+            **self.backend.stats(),
+            **self.stats.as_dict(),
+            "codec": self.codec.id,
+            "lossless": self.codec.lossless,
+            "breaker": self.breaker.stats(),
+        }
 
 
 def _split(items: list[T], groups: int) -> list[list[T]]:
