@@ -1,4 +1,4 @@
-"""The accuracy bench's parts that need no model: prompts' lengths, the chunk round trip, rows, the table, the CLI's checks.
+"""The accuracy bench without a model: prompt lengths, the chunk round trip, rows, the table, the CLI's checks.
 
 The bench on the real model is tested in test_codec_accuracy.py.
 """
@@ -89,9 +89,23 @@ def test_rows_pool_prompts_and_the_table_compares_with_the_exact_row():
     lines = a.markdown_table([exact, lossy, broken]).splitlines()
     assert len(lines) == 5 and all(line.count("|") == len(a.COLUMNS) + 1 for line in lines)
     assert lines[0] == "| " + " | ".join(a.COLUMNS) + " |"
-    cells = {line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.strip("| ").split(" | ")] for line in lines[2:]}
+    cells = {
+        line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.strip("| ").split(" | ")] for line in lines[2:]
+    }
     assert cells[a.EXACT][2:5] == ["-", "-", "-"] and cells[a.EXACT][-1] == "+0.00%"
-    assert cells["fp8+zstd"] == ["fp8+zstd", "no", "4.00x", "400", "200", "75.0%", "50%", "2", "2.00e-02", "11.000", "+10.00%"]
+    assert cells["fp8+zstd"] == [
+        "fp8+zstd",
+        "no",
+        "4.00x",
+        "400",
+        "200",
+        "75.0%",
+        "50%",
+        "2",
+        "2.00e-02",
+        "11.000",
+        "+10.00%",
+    ]
     assert cells["int4"][-1] == "unknown codec 'int4' / valid: ..."  # the error, its '|' kept out of the table
 
 
@@ -109,7 +123,9 @@ def test_codec_names_are_checked_before_any_work():
     with pytest.raises(ValueError, match="unknown codec 'nope'"):
         a.parse_codecs("identity,nope+zstd")
     made, missing = a.default_codecs()
-    assert made[:4] == ["identity", "bytesplit", "fp8", "fp8+zstd"] and set(made) | set(missing) == set(a.DEFAULT_CODECS)
+    assert made[:4] == ["identity", "bytesplit", "fp8", "fp8+zstd"] and set(made) | set(missing) == set(
+        a.DEFAULT_CODECS
+    )
     runner = CliRunner()
     for args, expected in (
         (["--accuracy", "smollm2", "--accuracy-codecs", "identity,nope"], "unknown codec 'nope'"),

@@ -18,9 +18,9 @@ import torch
 from kvstore.devtools import bench_accuracy as a
 from kvstore.devtools.models import load_smollm2
 
-CODECS = ["identity", "bytesplit", "fp8", "fp8+zstd", "nope+zstd"]
+CODECS = ["identity", "bytesplit", "fp8", "fp8+zstd", "int8+zstd", "nope+zstd"]
 # Measured on this machine (2 prompts): see the assertions; the bars sit well below.
-MIN_AGREEMENT = {"identity": 0.9, "fp8": 0.6}
+MIN_AGREEMENT = {"identity": 0.9, "fp8": 0.6, "int8+zstd": 0.8}
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,16 @@ def test_a_lossless_codec_gives_exactly_the_bf16_round_trip(rows: dict[str, a.Ac
         assert (mine.agreed, mine.nll) == (cast.agreed, cast.nll)
 
 
-@pytest.mark.parametrize("codec", ["identity", "fp8"])
+@pytest.mark.parametrize("codec", ["identity", "fp8", "int8+zstd"])
 def test_greedy_tokens_mostly_agree(rows: dict[str, a.AccuracyRow], codec: str):
     row = rows[codec]
     assert row.agreement >= MIN_AGREEMENT[codec], a.markdown_table([rows[a.EXACT], row])
     assert row.perplexity < rows[a.EXACT].perplexity * 1.1
+
+
+def test_ratios(rows: dict[str, a.AccuracyRow]):
     assert rows["fp8+zstd"].ratio > rows["fp8"].ratio > 1.9  # fp8: one byte a value, plus its scales
+    assert rows["int8+zstd"].ratio > 1.9
 
 
 def test_an_unknown_codec_is_a_row_with_its_error(rows: dict[str, a.AccuracyRow]):
