@@ -81,11 +81,6 @@ class BytePlanesCodec(ArrayBytesCodec):
         out[low_bytes:] = np.frombuffer(frame, dtype=np.uint8)
         return out
 
-    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        out = bytearray(spec.nbytes)
-        self.decode_into(data, spec, memoryview(out))
-        return out
-
     def decode_into(self, data: memoryview, spec: SegmentSpec, out: memoryview) -> None:
         """Decode one segment straight into ``out`` (blocking); any defect raises CodecError."""
         data = as_bytes_view(data)

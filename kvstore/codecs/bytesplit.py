@@ -42,11 +42,6 @@ class ByteSplitCodec(ArrayBytesCodec):
         compressed = self._contexts.compressor().compress(high)
         return b"".join((_PREFIX.pack(len(compressed)), compressed, low))
 
-    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        out = bytearray(spec.nbytes)
-        self.decode_into(data, spec, memoryview(out))
-        return out
-
     def decode_into(self, data: memoryview, spec: SegmentSpec, out: memoryview) -> None:
         if len(data) < _PREFIX.size:
             raise CodecError("bytesplit: segment shorter than its header")

@@ -45,11 +45,6 @@ class Fp8Codec(ArrayBytesCodec):
         payload = quantized.view(torch.uint8).numpy().tobytes()
         return b"".join((_PREFIX.pack(scale.numel()), scale_bytes, payload))
 
-    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        out = bytearray(spec.nbytes)
-        self.decode_into(data, spec, memoryview(out))
-        return out
-
     def decode_into(self, data: memoryview, spec: SegmentSpec, out: memoryview) -> None:
         self._check(spec)
         planes, tokens, heads, head_dim = spec.shape

@@ -202,11 +202,6 @@ class GroupQuantizedCodec(ArrayBytesCodec):
             self.pack(codes.numpy().reshape(-1), out[param_bytes:])
         return out
 
-    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        out = bytearray(spec.nbytes)
-        self.decode_into(data, spec, memoryview(out))
-        return out
-
     def decode_into(self, data: memoryview, spec: SegmentSpec, out: memoryview) -> None:
         self._check(spec)
         data = as_bytes_view(data)

