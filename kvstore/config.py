@@ -109,9 +109,9 @@ def _check_lossy(name: str, codec: str, allow_lossy: bool) -> None:
     if not allow_lossy and not make_codec(codec).lossless:
         raise ValueError(
             f"{name}.codec {codec!r} is lossy: the KV read back differs from what was stored (measure the "
-            f"model's answers with it: kvstore bench). To store with it anyway, set {name}.allow_lossy = true "
-            f"([{name}] allow_lossy = true, or KVSTORE_{name.upper()}__ALLOW_LOSSY=true); or pick a lossless codec "
-            f"(identity, bytesplit, zstd, lz4)"
+            f"model's answers with it: kvstore bench --accuracy smollm2). To store with it anyway, set "
+            f"{name}.allow_lossy = true ([{name}] allow_lossy = true, or KVSTORE_{name.upper()}__ALLOW_LOSSY=true); "
+            f"or pick a lossless codec (identity, byteplanes, zstd, lz4)"
         )
 
 

@@ -326,7 +326,7 @@ def test_a_lossy_codec_without_allow_lossy_is_refused_naming_the_option(section,
         f"{section}.codec {codec!r} is lossy",
         f"set {section}.allow_lossy = true",
         f"KVSTORE_{section.upper()}__ALLOW_LOSSY=true",
-        "bytesplit",
+        "byteplanes",
     )
     config = StoreConfig(**{section: {"codec": codec, "allow_lossy": True, **extra}})
     assert getattr(config, section).codec == codec and getattr(config, section).allow_lossy
