@@ -102,28 +102,29 @@ class Codec(ABC):
         out[:] = decoded
 
 
-class ArrayArrayCodec(Codec):
+class _DecodesToValues(Codec):
+    """A stage whose decode gives the segment's values (``spec.nbytes`` long): it implements
+    :meth:`decode_into` (straight into the destination) and inherits :meth:`decode` from it."""
+
+    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
+        """The values in a fresh buffer, through :meth:`decode_into` (blocking)."""
+        if type(self).decode_into is Codec.decode_into:
+            raise NotImplementedError(f"codec {self.name!r}: a stage that gives values implements decode_into")
+        out = bytearray(spec.nbytes)
+        self.decode_into(data, spec, memoryview(out))
+        return out
+
+
+class ArrayArrayCodec(_DecodesToValues):
     """Values in (``spec``), values out (``encoded_spec(spec)``): runs before any other kind."""
 
     kind = StageKind.ARRAY_ARRAY
 
 
-class ArrayBytesCodec(Codec):
-    """Values in, an opaque byte layout out: at most one per pipeline, after array→array stages only.
-
-    A serializer decodes to the segment's values, ``spec.nbytes`` long, so it implements
-    :meth:`decode_into` (straight into the destination) and inherits :meth:`decode` from it.
-    """
+class ArrayBytesCodec(_DecodesToValues):
+    """Values in, an opaque byte layout out: at most one per pipeline, after array→array stages only."""
 
     kind = StageKind.ARRAY_BYTES
-
-    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        """The values in a fresh buffer, through :meth:`decode_into` (blocking)."""
-        if type(self).decode_into is Codec.decode_into:
-            raise NotImplementedError(f"codec {self.name!r}: an array→bytes codec implements decode_into")
-        out = bytearray(spec.nbytes)
-        self.decode_into(data, spec, memoryview(out))
-        return out
 
 
 class BytesBytesCodec(Codec):

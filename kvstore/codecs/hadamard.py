@@ -60,11 +60,6 @@ class HadamardCodec(ArrayArrayCodec):
             values = tensor_view(data, spec.dtype, spec.shape).reshape(-1, head_dim).float()
             return torch.mm(values, hadamard_matrix(head_dim)).numpy()
 
-    def decode(self, data: memoryview, spec: SegmentSpec) -> Buffer:
-        out = bytearray(spec.nbytes)
-        self.decode_into(data, spec, memoryview(out))
-        return out
-
     def decode_into(self, data: memoryview, spec: SegmentSpec, out: memoryview) -> None:
         head_dim = self._check(spec)
         data = as_bytes_view(data)
