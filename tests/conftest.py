@@ -50,6 +50,15 @@ def real_kv() -> torch.Tensor:
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[object, object]:
+    """(tokenizer, model): SmolLM2-135M-Instruct in float32, loaded once per session (~25 s) for every
+    test that runs the real model (test_connector_hf.py, test_codec_accuracy.py). Tests only read it."""
+    from kvstore.devtools.models import load_smollm2  # transformers: imported only where a test needs the model
+
+    return load_smollm2(torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Real servers (kvstore.devtools.servers), one of each per test session. A server that cannot start
 # fails the tests that need it: remote-tier tests never skip.

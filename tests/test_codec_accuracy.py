@@ -16,17 +16,16 @@ import pytest
 import torch
 
 from kvstore.devtools import bench_accuracy as a
-from kvstore.devtools.models import load_smollm2
 
-CODECS = ["identity", "bytesplit", "fp8", "fp8+zstd", "int8+zstd", "nope+zstd"]
+CODECS = ["identity", "byteplanes", "fp8", "int8+zstd", "int4+zstd", "nope+zstd"]
 # Measured on this machine (2 prompts): see the assertions; the bars sit well below.
-MIN_AGREEMENT = {"identity": 0.9, "fp8": 0.6, "int8+zstd": 0.8}
+MIN_AGREEMENT = {"identity": 0.9, "fp8": 0.6, "int8+zstd": 0.8, "int4+zstd": 0.6}
 
 
 @pytest.fixture(scope="module")
-def rows() -> dict[str, a.AccuracyRow]:
+def rows(smollm2) -> dict[str, a.AccuracyRow]:
     torch.manual_seed(0)
-    tokenizer, model = load_smollm2(torch.float32)
+    tokenizer, model = smollm2
     prompts = a.stdlib_prompts(tokenizer, 2, min_tokens=512, max_tokens=768)
     assert [len(prompt.ids) for prompt in prompts] == [
         a.prompt_length(prompt.source, 512, 768) for prompt in prompts
@@ -42,14 +41,14 @@ def test_exact_kv_reproduces_the_recompute(rows: dict[str, a.AccuracyRow]):
 
 
 def test_a_lossless_codec_gives_exactly_the_bf16_round_trip(rows: dict[str, a.AccuracyRow]):
-    identity, bytesplit = rows["identity"], rows["bytesplit"]
-    assert bytesplit.lossless and bytesplit.ratio > 1.3 and identity.ratio == 1.0
-    for mine, cast in zip(bytesplit.scores, identity.scores, strict=True):
+    identity, byteplanes = rows["identity"], rows["byteplanes"]
+    assert byteplanes.lossless and byteplanes.ratio > 1.3 and identity.ratio == 1.0
+    for mine, cast in zip(byteplanes.scores, identity.scores, strict=True):
         assert torch.equal(mine.first_logits, cast.first_logits)
         assert (mine.agreed, mine.nll) == (cast.agreed, cast.nll)
 
 
-@pytest.mark.parametrize("codec", ["identity", "fp8", "int8+zstd"])
+@pytest.mark.parametrize("codec", ["identity", "fp8", "int8+zstd", "int4+zstd"])
 def test_greedy_tokens_mostly_agree(rows: dict[str, a.AccuracyRow], codec: str):
     row = rows[codec]
     assert row.agreement >= MIN_AGREEMENT[codec], a.markdown_table([rows[a.EXACT], row])
@@ -57,8 +56,9 @@ def test_greedy_tokens_mostly_agree(rows: dict[str, a.AccuracyRow], codec: str):
 
 
 def test_ratios(rows: dict[str, a.AccuracyRow]):
-    assert rows["fp8+zstd"].ratio > rows["fp8"].ratio > 1.9  # fp8: one byte a value, plus its scales
-    assert rows["int8+zstd"].ratio > 1.9
+    assert rows["fp8"].ratio > 1.9  # fp8: one byte a value, plus its scales
+    assert rows["int8+zstd"].ratio > 1.9  # issue 18's targets: int8 >= 1.9x, int4 >= 3.5x
+    assert rows["int4+zstd"].ratio > 3.5
 
 
 def test_an_unknown_codec_is_a_row_with_its_error(rows: dict[str, a.AccuracyRow]):

@@ -1232,3 +1232,25 @@ def test_entry_points_are_read_once_and_only_when_needed(install, registry):
     assert "early" in available_codecs()  # ...so a plugin installed since is found
     install("kvstore-late", {"late": "kvstore_test_late:XorCodec"}, {"kvstore_test_late": PLUGIN_SOURCE})
     assert "late" not in available_codecs(), "the group is read once, not at every lookup"
+
+
+def test_tensor_view_of_stored_bytes_leaves_the_process_warnings_alone():
+    """Viewing read-only bytes (what a tier reads back) warns nothing, and changes no warning filter
+    beyond its own calls: a user's UserWarning still raises under -W error. (It used to wrap each
+    call in ``warnings.catch_warnings()``, which is not thread-safe with codec threads.)"""
+    import subprocess
+
+    code = textwrap.dedent(
+        """
+        import warnings, torch
+        from kvstore.util.buffers import tensor_view
+        assert tensor_view(bytes(8), torch.float32, (2,)).tolist() == [0.0, 0.0]  # would raise if it warned
+        try:
+            warnings.warn("the user's own warning", UserWarning)  # still an error: no filter leaked
+        except UserWarning:
+            print("user warning raised")
+        """
+    )
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "user warning raised"

@@ -41,7 +41,7 @@ from kvstore.storage.container import parse_header
 from kvstore.testing.slow_proxy import SlowProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from smollm2 import NAMESPACE, document_ids, load_smollm2, question_ids  # noqa: E402
+from smollm2 import NAMESPACE, document_ids, question_ids  # noqa: E402
 
 DOCUMENT_TOKENS = 2048  # 8 chunks of 256
 GENERATED = 32  # at most: a reply that reaches end-of-sequence is shorter
@@ -70,9 +70,9 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def scenario() -> Iterator[Scenario]:
+def scenario(smollm2) -> Iterator[Scenario]:
     torch.manual_seed(0)
-    tokenizer, model = load_smollm2(torch.float32)
+    tokenizer, model = smollm2
     document = document_ids(tokenizer, DOCUMENT_TOKENS)
     first = torch.tensor([document + question_ids(tokenizer, 2)])
     second = torch.tensor([document + question_ids(tokenizer, 3)])
@@ -171,8 +171,8 @@ def test_the_first_request_is_saved_and_the_second_reuses_it_from_dram(scenario)
     [
         ("disk", "identity"),
         ("disk", "bytesplit"),
-        ("redis", "bytesplit"),
-        ("moto", "bytesplit"),
+        ("redis", "byteplanes"),
+        ("moto", "byteplanes"),
         ("seaweedfs", "identity"),
     ],
 )

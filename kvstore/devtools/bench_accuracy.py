@@ -55,7 +55,7 @@ from kvstore.util.units import MB, per_second
 
 MODELS = ("smollm2",)  # what --accuracy accepts
 DEFAULT_CODECS = tuple(
-    "identity bytesplit fp8 fp8+zstd int8 int8+zstd int4 int4+zstd hadamard+int4 hadamard+int4+zstd".split()
+    "identity byteplanes bytesplit fp8 fp8+zstd int8 int8+zstd int4 int4+zstd hadamard+int4 hadamard+int4+zstd".split()
 )
 EXACT = "float32 (exact)"  # the row of the exact KV: no cast, no codec
 GENERATED = 64  # greedy tokens per prompt

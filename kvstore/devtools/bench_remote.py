@@ -50,8 +50,8 @@ from kvstore.util.units import MB, per_second
 REMOTES = ("redis", "moto", "seaweedfs")
 CONCURRENCY = 4  # requests in flight, kvstore and raw client alike (the store's io_threads default)
 TARGET = 0.9
-REMOTE_CODECS = ["identity", "byteplanes", "bytesplit", "zstd", "fp8", "fp8+zstd"]
-CODEC_MIB = 64  # logical MiB per codec measurement (at most --mib): 5 codecs x 3 servers must stay quick
+REMOTE_CODECS = ["identity", "byteplanes", "bytesplit", "zstd", "fp8+zstd", "int8+zstd", "int4+zstd"]
+CODEC_MIB = 64  # logical MiB per codec measurement (at most --mib): 7 codecs x 3 servers must stay quick
 BUCKET = "kvstore-bench"
 S3_DEFAULTS = S3Config()  # the S3 tier's multipart threshold and part size, as a user gets them
 MULTIPART_THRESHOLD, PART_SIZE = int(S3_DEFAULTS.multipart_threshold), int(S3_DEFAULTS.part_size)
