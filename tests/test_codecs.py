@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import struct
+import subprocess
 import sys
 import textwrap
 import time
@@ -1238,8 +1239,6 @@ def test_tensor_view_of_stored_bytes_leaves_the_process_warnings_alone():
     """Viewing read-only bytes (what a tier reads back) warns nothing, and changes no warning filter
     beyond its own calls: a user's UserWarning still raises under -W error. (It used to wrap each
     call in ``warnings.catch_warnings()``, which is not thread-safe with codec threads.)"""
-    import subprocess
-
     code = textwrap.dedent(
         """
         import warnings, torch
