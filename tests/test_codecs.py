@@ -1253,3 +1253,55 @@ def test_tensor_view_of_stored_bytes_leaves_the_process_warnings_alone():
     result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "user warning raised"
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch hooks: a chunk's layers in one call give exactly what one call per layer gives
+# ---------------------------------------------------------------------------------------------
+
+BATCH_SHAPES = [
+    (2, 16, 2, 8),  # groups of 4 and 8 divide the tokens: the quantizers' batch path
+    (2, 16, 2, 12),  # head_dim 12 with groups of 8: every value row has a short tail
+    (1, 16, 1, 8),  # one plane (an MLA latent)
+    (2, 12, 2, 8),  # tokens the group does not divide: one encode per layer
+]
+
+
+def batch_of(dtype: torch.dtype, shape: tuple[int, ...], count: int, seed: int) -> list[torch.Tensor]:
+    """``count`` segments: real-looking values, one layer with NaN and +-inf in it."""
+    generator = torch.Generator().manual_seed(seed)
+    layers = [(torch.randn(shape, generator=generator) * (1 + 3 * index)).to(dtype) for index in range(count)]
+    layers[1].view(-1)[[0, 5, 9]] = torch.tensor([float("nan"), float("inf"), -float("inf")]).to(dtype)
+    return layers
+
+
+BATCH_CASES = [
+    (name, shape)
+    for name in ("int8:8", "int4:4", "int4:8+zstd", "hadamard+int8:8", "int8", "byteplanes", "fp8")
+    for shape in BATCH_SHAPES
+    if not name.startswith("hadamard") or shape[-1] & (shape[-1] - 1) == 0  # hadamard: power-of-two head_dim
+]
+
+
+@pytest.mark.parametrize("name,shape", BATCH_CASES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_encode_batch_and_decode_batch_give_each_layers_own_bytes(name, shape, dtype):
+    codec = make_codec(name)
+    layers = batch_of(dtype, shape, 3, seed=len(name) + shape[-1])
+    spec = spec_of(layers[0])
+    views = [tensor_bytes(layer) for layer in layers]
+    one_by_one = [encode(codec, layer) for layer in layers]
+    assert [bytes(memoryview(out).cast("B")) for out in codec.encode_batch(views, spec)] == one_by_one
+    outs = [torch.empty(shape, dtype=dtype) for _ in layers]
+    codec.decode_batch_into(one_by_one, spec, [tensor_bytes(out) for out in outs])
+    for out, stored in zip(outs, one_by_one, strict=True):
+        assert torch.equal(bits(out), bits(decode(codec, stored, spec)))
+
+
+def test_a_batch_decode_with_one_bad_segment_is_a_codec_error():
+    codec = make_codec("int8:8")
+    layers = batch_of(torch.bfloat16, SMALL_SHAPE, 3, seed=1)
+    stored = [encode(codec, layer) for layer in layers]
+    outs = [tensor_bytes(torch.empty(SMALL_SHAPE, dtype=torch.bfloat16)) for _ in layers]
+    with pytest.raises(CodecError, match="segment length does not match"):
+        codec.decode_batch_into([stored[0], stored[1][:-1], stored[2]], spec_of(layers[0]), outs)

@@ -427,6 +427,16 @@ def test_header_naming_another_codec_than_the_payload_is_an_error_not_garbage():
             decode(forged)
 
 
+@pytest.mark.parametrize("codec_id", ["int8:8", "int4:8", "int8"])
+def test_a_codec_error_in_a_run_of_layers_names_its_layer(codec_id):
+    """Layers decode a run at a time (one codec call for all of them); an error still names its layer."""
+    data = CONTAINERS["identity"]
+    header = parse_header(data, LAYOUT, KEY)
+    forged = encode_header(LAYOUT, KEY, codec_id, list(header.segments)) + data[header.header_len :]
+    with pytest.raises(ChunkFormatError, match=rf"^layer 0: {codec_id.split(':')[0]}"):
+        decode(forged)
+
+
 def test_forge_helper_reproduces_a_real_header():
     """The forging helper writes what the encoder writes, so the forged cases test one change each."""
     data = CONTAINERS["identity"]

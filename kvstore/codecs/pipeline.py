@@ -58,6 +58,14 @@ class CodecPipeline:
             out = stage.encode(as_bytes_view(out), stage_spec)
         return out
 
+    def encode_batch(self, segments: Sequence[Buffer], spec: SegmentSpec) -> list[Buffer]:
+        """Encode segments of one spec (a chunk's layers): the same bytes as :meth:`encode` of each,
+        each stage called once for all of them (see :meth:`Codec.encode_batch`)."""
+        outs: list[Buffer] = [as_bytes_view(segment) for segment in segments]
+        for stage, stage_spec in zip(self.stages, self._specs(spec), strict=True):
+            outs = stage.encode_batch([as_bytes_view(out) for out in outs], stage_spec)
+        return outs
+
     def decode_into(self, data: Buffer, spec: SegmentSpec, out: memoryview) -> None:
         """Decode one segment into ``out``; any defect raises CodecError."""
         view = as_bytes_view(data)
@@ -66,6 +74,20 @@ class CodecPipeline:
             for stage, stage_spec in zip(reversed(self.stages[1:]), reversed(specs[1:]), strict=True):
                 view = as_bytes_view(stage.decode(view, stage_spec))
             self.stages[0].decode_into(view, spec, out)
+        except CodecError:
+            raise
+        except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError) as exc:
+            raise CodecError(f"{self.id}: {exc}") from exc
+
+    def decode_batch_into(self, datas: Sequence[Buffer], spec: SegmentSpec, outs: Sequence[memoryview]) -> None:
+        """:meth:`decode_into` of every segment; the first stage decodes them all in one call. Any
+        defect raises CodecError, without saying which segment (decode them one by one for that)."""
+        try:
+            specs = self._specs(spec)
+            views = [as_bytes_view(data) for data in datas]
+            for stage, stage_spec in zip(reversed(self.stages[1:]), reversed(specs[1:]), strict=True):
+                views = [as_bytes_view(stage.decode(view, stage_spec)) for view in views]
+            self.stages[0].decode_batch_into(views, spec, outs)
         except CodecError:
             raise
         except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError) as exc:

@@ -124,8 +124,8 @@ def encode_layers(
     """Each layer's stored bytes and table entry, in order; each checksummed while still in cache (blocking).
 
     With the identity codec and no cipher the stored bytes are views of ``chunk`` itself: zero
-    copies, in one piece. Otherwise the layers are encoded in parallel over idle workers of
-    ``executor`` (see :func:`layer_map`); the result is the same bytes either way.
+    copies, in one piece. Otherwise runs of layers are encoded in parallel over idle workers of
+    ``executor`` (see :func:`layer_runs`); the result is the same bytes either way.
     """
     raw = as_bytes_view(chunk)
     if len(raw) != layout.chunk_nbytes:
@@ -134,16 +134,19 @@ def encode_layers(
     step = layout.layer_nbytes
     key_bytes = key_to_bytes(key) if cipher is not None else b""
 
-    def encode_one(layer: int) -> tuple[memoryview, int]:
-        stored = raw[layer * step : (layer + 1) * step]
-        if not codec.is_identity:
-            stored = as_bytes_view(codec.encode(stored, spec))
+    def encode_run(layers: range) -> list[tuple[memoryview, int]]:
+        stored = [raw[layer * step : (layer + 1) * step] for layer in layers]
+        if not codec.is_identity:  # one codec call for the run: per-call costs are paid once, not per layer
+            stored = [as_bytes_view(out) for out in codec.encode_batch(stored, spec)]
         if cipher is not None:
-            stored = memoryview(cipher.seal(stored, associated_data(key_bytes, layer, layout.fingerprint)))
-        return stored, checksum(stored)
+            stored = [
+                memoryview(cipher.seal(view, associated_data(key_bytes, layer, layout.fingerprint)))
+                for view, layer in zip(stored, layers, strict=True)
+            ]
+        return [(view, checksum(view)) for view in stored]
 
     plain = codec.is_identity and cipher is None
-    encoded = layer_map(encode_one, layout, None if plain else executor)
+    encoded = layer_runs(encode_run, layout, None if plain else executor)
     segments: list[tuple[memoryview, Segment]] = []
     offset = 0
     for stored, digest in encoded:
@@ -170,19 +173,28 @@ def encode_chunk(
     return [header, *(stored for stored, _ in encoded)]
 
 
-def layer_map(fn: Callable[[int], T], layout: KVLayout, executor: Executor | None) -> list[T]:
-    """``fn`` of every layer, in layer order (blocking); spread over idle workers of ``executor`` when it pays.
+def layer_runs(fn: Callable[[range], list[T]], layout: KVLayout, executor: Executor | None) -> list[T]:
+    """``fn`` over consecutive runs of layers, its results joined in layer order (blocking);
+    spread over idle workers of ``executor`` when it pays.
 
     A chunk's codec work is one thread call per chunk, so without this one chunk used one core
-    however many were idle. The calling thread works through the layers itself and helper tasks
-    of ``executor`` (the tier's own I/O pool, which the caller usually runs in) take layers
-    from the same queue when a worker is free; it never waits for a helper that has not
-    started, so a busy or small pool cannot deadlock it (:func:`~kvstore.util.threads.map_with_helpers`).
-    Serial for a chunk under ``PARALLEL_MIN_BYTES``, where a helper's start costs more than it saves.
+    however many were idle. It is cut into one run per usable core; the calling thread works
+    through the runs itself and helper tasks of ``executor`` (the tier's own I/O pool, which the
+    caller usually runs in) take runs from the same queue when a worker is free; it never waits
+    for a helper that has not started, so a busy or small pool cannot deadlock it
+    (:func:`~kvstore.util.threads.map_with_helpers`). One run of every layer without ``executor``
+    or for a chunk under ``PARALLEL_MIN_BYTES``, where a helper's start costs more than it saves.
+    A codec's batch hooks take a run in one call: the quantizers' per-call costs are then paid
+    once per run, and runs on different threads overlap instead of handing the GIL back and
+    forth on every small call (int8 encode, 2 threads: 313 MB/s layer by layer, 687 by runs).
     """
-    if executor is None or layout.chunk_nbytes < PARALLEL_MIN_BYTES:
-        return [fn(layer) for layer in range(layout.num_layers)]
-    return map_with_helpers(fn, layout.num_layers, executor, usable_cores() - 1)
+    layers = layout.num_layers
+    runs = 1 if executor is None or layout.chunk_nbytes < PARALLEL_MIN_BYTES else min(layers, usable_cores())
+    if runs == 1:
+        return fn(range(layers))
+    bounds = [layers * index // runs for index in range(runs + 1)]
+    results = map_with_helpers(lambda index: fn(range(bounds[index], bounds[index + 1])), runs, executor, runs - 1)
+    return [item for run in results for item in run]
 
 
 def header_length(prefix: Buffer) -> int:
@@ -320,15 +332,28 @@ def _check_segment(segment: Segment, layer: int, stored: Buffer) -> None:
         raise ChunkFormatError(f"layer {layer} failed its checksum")
 
 
+def _opened(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buffer) -> Buffer:
+    """One layer's stored bytes, verified and, if sealed, opened; ChunkFormatError naming the layer if not."""
+    verify_segment(header, layer, stored)
+    if header.cipher is None:
+        return stored
+    try:
+        return header.cipher.open(stored, associated_data(header.key_bytes, layer, layout.fingerprint))
+    except DecryptionError as exc:
+        raise ChunkFormatError(f"layer {layer}: {exc}") from None
+
+
+def _decode_opened(header: ChunkHeader, layer: int, opened: Buffer, spec: SegmentSpec, out: memoryview) -> None:
+    try:
+        header.codec.decode_into(opened, spec, out)
+    except CodecError as exc:
+        raise ChunkFormatError(f"layer {layer}: {exc}") from None
+
+
 def decode_layer(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buffer, out: memoryview) -> None:
     """Verify and decode one layer's stored bytes into ``out`` (``layout.layer_nbytes`` long)."""
-    verify_segment(header, layer, stored)
-    try:
-        if header.cipher is not None:
-            stored = header.cipher.open(stored, associated_data(header.key_bytes, layer, layout.fingerprint))
-        header.codec.decode_into(stored, SegmentSpec(layout.dtype, layout.layer_shape), out)
-    except (CodecError, DecryptionError) as exc:
-        raise ChunkFormatError(f"layer {layer}: {exc}") from None
+    opened = _opened(header, layout, layer, stored)
+    _decode_opened(header, layer, opened, SegmentSpec(layout.dtype, layout.layer_shape), out)
 
 
 def decode_payload(
@@ -336,8 +361,8 @@ def decode_payload(
 ) -> None:
     """Verify and decode every layer of ``payload`` (the bytes after the header) into ``out`` (blocking).
 
-    ``executor``: the pool this runs in, whose idle workers may decode some of the layers
-    (:func:`layer_map`; not for plain chunks, whose layers are only checksummed). When this
+    ``executor``: the pool this runs in, whose idle workers may decode some runs of layers
+    (:func:`layer_runs`; not for plain chunks, whose layers are only checksummed). When this
     returns, or raises, no thread is writing into ``out``.
     """
     payload_view, out_view = as_bytes_view(payload), as_bytes_view(out)
@@ -346,13 +371,24 @@ def decode_payload(
     if len(out_view) != layout.chunk_nbytes:
         raise ValueError(f"output is {len(out_view)} bytes, layout needs {layout.chunk_nbytes}")
     step = layout.layer_nbytes
+    spec = SegmentSpec(layout.dtype, layout.layer_shape)
 
-    def decode_one(layer: int) -> None:
-        segment = header.segments[layer]
-        stored = payload_view[segment.offset : segment.offset + segment.stored_len]
-        decode_layer(header, layout, layer, stored, out_view[layer * step : (layer + 1) * step])
+    def decode_run(layers: range) -> list[None]:
+        segments = [header.segments[layer] for layer in layers]
+        opened = [
+            _opened(header, layout, layer, payload_view[segment.offset : segment.offset + segment.stored_len])
+            for layer, segment in zip(layers, segments, strict=True)
+        ]
+        outs = [out_view[layer * step : (layer + 1) * step] for layer in layers]
+        try:
+            header.codec.decode_batch_into(opened, spec, outs)  # one codec call for the run, as encode_layers
+        except CodecError:  # which layer: decode them one by one, the first bad one raises with its number
+            for layer, view, out in zip(layers, opened, outs, strict=True):
+                _decode_opened(header, layer, view, spec, out)
+            raise ChunkFormatError(f"layers {layers.start}-{layers.stop - 1}: decoding them together failed") from None
+        return [None] * len(layers)
 
-    layer_map(decode_one, layout, None if header.plain else executor)
+    layer_runs(decode_run, layout, None if header.plain else executor)
 
 
 def decode_chunk(

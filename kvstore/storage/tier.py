@@ -78,7 +78,7 @@ class ChunkTier:
         self.latency = TierLatency()  # fed by KVStore, which times each operation it waits for
         self.breaker = CircuitBreaker(self.name)  # the store replaces it with one configured from [breaker]
         # where encoding, decoding and checksums run (and a local backend's batches); a whole chunk's
-        # encode or decode also spreads its layers over this pool's idle workers (container.layer_map)
+        # encode or decode also spreads its layers over this pool's idle workers (container.layer_runs)
         self.executor = executor
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
