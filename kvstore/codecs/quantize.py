@@ -132,7 +132,7 @@ def quantize(values: torch.Tensor, parts: list[Part], bits: int) -> tuple[torch.
     ``[0, 2**bits - 1]``, offset by +0.5, so that the caller's conversion to uint8 (which
     truncates) rounds them: one pass fewer than rounding here. The per-group arithmetic runs once
     on all groups' statistics together: on these small tensors each torch call's overhead costs
-    more than its work (measured: the encode is dominated by call overhead, not by bytes).
+    more than its work, hence also the batch hooks, which pass a run of layers as one.
     """
     top = float((1 << bits) - 1)
     # amin and amax, not aminmax: measured 8x faster on these shapes (torch 2.x, one thread)
@@ -182,7 +182,8 @@ class GroupQuantizedCodec(ArrayBytesCodec):
 
     Subclasses set ``bits`` and how codes are packed into bytes (:meth:`packed_size`,
     :meth:`pack`, :meth:`unpack`). Encoding and decoding run torch ops over whole parts of a
-    segment (no loop over groups) and block the calling thread: tiers call them in executor threads.
+    segment (no loop over groups), or of a run of layers in the batch hooks, which the tiers use;
+    they block the calling thread: tiers call them in executor threads.
     """
 
     bits: ClassVar[int]
