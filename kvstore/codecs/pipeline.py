@@ -53,10 +53,8 @@ class CodecPipeline:
         return specs
 
     def encode(self, data: Buffer, spec: SegmentSpec) -> Buffer:
-        out: Buffer = as_bytes_view(data)
-        for stage, stage_spec in zip(self.stages, self._specs(spec), strict=True):
-            out = stage.encode(as_bytes_view(out), stage_spec)
-        return out
+        """Encode one segment: :meth:`encode_batch` of one."""
+        return self.encode_batch([data], spec)[0]
 
     def encode_batch(self, segments: Sequence[Buffer], spec: SegmentSpec) -> list[Buffer]:
         """Encode segments of one spec (a chunk's layers): the same bytes as :meth:`encode` of each,
@@ -67,17 +65,8 @@ class CodecPipeline:
         return outs
 
     def decode_into(self, data: Buffer, spec: SegmentSpec, out: memoryview) -> None:
-        """Decode one segment into ``out``; any defect raises CodecError."""
-        view = as_bytes_view(data)
-        try:
-            specs = self._specs(spec)
-            for stage, stage_spec in zip(reversed(self.stages[1:]), reversed(specs[1:]), strict=True):
-                view = as_bytes_view(stage.decode(view, stage_spec))
-            self.stages[0].decode_into(view, spec, out)
-        except CodecError:
-            raise
-        except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError) as exc:
-            raise CodecError(f"{self.id}: {exc}") from exc
+        """Decode one segment into ``out``: :meth:`decode_batch_into` of one; any defect raises CodecError."""
+        self.decode_batch_into([data], spec, [out])
 
     def decode_batch_into(self, datas: Sequence[Buffer], spec: SegmentSpec, outs: Sequence[memoryview]) -> None:
         """:meth:`decode_into` of every segment; the first stage decodes them all in one call. Any

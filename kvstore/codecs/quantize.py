@@ -116,10 +116,15 @@ def _stat_shape(part: Part) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _group_counts(parts: list[Part]) -> list[int]:
+    """How many groups (so statistics) each part has."""
+    return [view.numel() // view.shape[dim] for view, dim in parts]
+
+
 def _split(flat: torch.Tensor, parts: list[Part]) -> list[torch.Tensor]:
     """``flat`` (one number per group, parts in order) as one broadcastable tensor per part."""
     shapes = [_stat_shape(part) for part in parts]
-    sizes = [part[0].numel() // part[0].shape[part[1]] for part in parts]
+    sizes = _group_counts(parts)
     return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
@@ -244,15 +249,15 @@ class GroupQuantizedCodec(ArrayBytesCodec):
         self._check(spec)
         count = len(segments)
         with torch.inference_mode():
-            layers = torch.empty((count, *spec.shape), dtype=torch.float32)
-            parts = batch_parts(layers, self.group) if count > 1 else None
-            if parts is None:
+            batch = self._batch(count, spec)
+            if batch is None:
                 return super().encode_batch(segments, spec)
+            layers, parts = batch
             for layer, segment in zip(layers, segments, strict=True):
                 layer.copy_(tensor_view(segment, spec.dtype, spec.shape))
             params, codes = quantize(layers, parts, self.bits)
             # params: each part's scales (layer by layer), then each part's mins; a row per layer in encode()'s order
-            sizes = [view.numel() // view.shape[dim] for view, dim in parts]
+            sizes = _group_counts(parts)
             rows = torch.cat([piece.view(count, -1) for half in params.chunk(2) for piece in half.split(sizes)], 1)
             param_bytes = 2 * rows.shape[1]
             per_layer = codes[0].numel()
@@ -261,6 +266,15 @@ class GroupQuantizedCodec(ArrayBytesCodec):
             for row, layer_codes in zip(out, codes.numpy().reshape(count, per_layer), strict=True):
                 self.pack(layer_codes, row[param_bytes:])
         return list(out)
+
+    def _batch(self, count: int, spec: SegmentSpec) -> tuple[torch.Tensor, list[Part]] | None:
+        """A float32 tensor for ``count`` segments of ``spec`` and its :func:`batch_parts`; None where
+        they go one call each (a single segment, or a group that does not divide the tokens)."""
+        if count < 2 or spec.shape[1] % self.group:
+            return None
+        layers = torch.empty((count, *spec.shape), dtype=torch.float32)
+        parts = batch_parts(layers, self.group)
+        return None if parts is None else (layers, parts)
 
     def _stored(self, data: memoryview, spec: SegmentSpec, out: memoryview) -> tuple[np.ndarray, np.ndarray]:
         """A stored segment's (fp16 parameters, uint8 codes), its length and ``out``'s checked (CodecError)."""
@@ -279,18 +293,18 @@ class GroupQuantizedCodec(ArrayBytesCodec):
         self._check(spec)
         count = len(datas)
         with torch.inference_mode():
-            layers = torch.empty((count, *spec.shape), dtype=torch.float32)
-            parts = batch_parts(layers, self.group) if count > 1 else None
-            if parts is None:
+            batch = self._batch(count, spec)
+            if batch is None:
                 super().decode_batch_into(datas, spec, outs)
                 return
+            layers, parts = batch
             codes = layers.numpy().reshape(count, -1)
             params = np.empty((count, parameter_count(spec, self.group)), dtype=np.float32)
             for row, layer_codes, data, out in zip(params, codes, datas, outs, strict=True):
                 row[:], stored_codes = self._stored(data, spec, out)
                 np.copyto(layer_codes, stored_codes)  # uint8 to float32
             # a row per layer (each part's scales, then mins) to each part's statistics, layer by layer
-            sizes = [view.numel() // view.shape[dim] // count for view, dim in parts]
+            sizes = [groups // count for groups in _group_counts(parts)]
             columns = torch.from_numpy(params).split(sizes * 2, dim=1)
             scale, low = (
                 torch.cat([column.reshape(-1) for column in half])

@@ -343,6 +343,12 @@ def _opened(header: ChunkHeader, layout: KVLayout, layer: int, stored: Buffer) -
         raise ChunkFormatError(f"layer {layer}: {exc}") from None
 
 
+def _stored_bytes(header: ChunkHeader, layer: int, payload: memoryview) -> memoryview:
+    """The layer's stored bytes within ``payload`` (the bytes after the header)."""
+    segment = header.segments[layer]
+    return payload[segment.offset : segment.offset + segment.stored_len]
+
+
 def _decode_opened(header: ChunkHeader, layer: int, opened: Buffer, spec: SegmentSpec, out: memoryview) -> None:
     try:
         header.codec.decode_into(opened, spec, out)
@@ -374,11 +380,7 @@ def decode_payload(
     spec = SegmentSpec(layout.dtype, layout.layer_shape)
 
     def decode_run(layers: range) -> list[None]:
-        segments = [header.segments[layer] for layer in layers]
-        opened = [
-            _opened(header, layout, layer, payload_view[segment.offset : segment.offset + segment.stored_len])
-            for layer, segment in zip(layers, segments, strict=True)
-        ]
+        opened = [_opened(header, layout, layer, _stored_bytes(header, layer, payload_view)) for layer in layers]
         outs = [out_view[layer * step : (layer + 1) * step] for layer in layers]
         try:
             header.codec.decode_batch_into(opened, spec, outs)  # one codec call for the run, as encode_layers
