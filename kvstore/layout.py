@@ -19,6 +19,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,  # AMD MI300's fp8 KV cache
     "float8_e5m2": torch.float8_e5m2,
 }
 

@@ -3,6 +3,15 @@
 # The tests start their own servers (redis-server, moto, SeaweedFS) on 127.0.0.1 and free ports.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Which CPU runs the suite, first in the log: vLLM's CPU backend picks its kernels, block sizes and
+# dtypes by instruction set (AMX kernels where amx_tile is listed, fp8 KV only with AVX-512 or AMX).
+if [ -r /proc/cpuinfo ]; then
+    cpu_model="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || true)"
+    cpu_sets="$({ grep -m1 '^flags' /proc/cpuinfo || true; } | tr ' ' '\n' \
+        | { grep -x -E 'avx2|avx512f|avx512_bf16|avx512_fp16|avx512_vnni|amx_tile|amx_bf16|amx_int8' || true; } | tr '\n' ' ')"
+    echo "CPU: ${cpu_model:-unknown}, $(nproc) cores; instruction sets: ${cpu_sets:-none of avx2, avx512*, amx*}"
+    echo "vLLM CPU kernels: ${TEST_VLLM_CPU_KERNELS:-as vLLM picks them} (TEST_VLLM_CPU_KERNELS=portable forces the portable ones)"
+fi
 source "$ROOT/scripts/bootstrap.sh"
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
     SUDO=""

@@ -17,6 +17,8 @@ from vllm_engines import (  # noqa: E402, F401 (fixtures)
     tiny_llama,
     tiny_llama_4kv,
     tiny_mla,
+    tiny_models,
+    vllm_cpu,
     vllm_python,
 )
 

@@ -1305,3 +1305,27 @@ def test_a_batch_decode_with_one_bad_segment_is_a_codec_error():
     outs = [tensor_bytes(torch.empty(SMALL_SHAPE, dtype=torch.bfloat16)) for _ in layers]
     with pytest.raises(CodecError, match="segment length does not match"):
         codec.decode_batch_into([stored[0], stored[1][:-1], stored[2]], spec_of(layers[0]), outs)
+
+
+def test_an_fp8_kv_cache_is_stored_exactly_by_lossless_codecs_and_a_lossy_codec_is_refused_at_start(tmp_path):
+    """Issue 25 item 4: an engine's fp8 KV (one byte per value) is kept byte for byte; the lossy
+    codecs quantize 16- and 32-bit floats, so a tier configured with one stops the store at start
+    (else every put to it would fail, one counted error at a time)."""
+    from kvstore import KVLayout, StoreConfig, SyncKVStore
+    from kvstore.errors import ConfigError
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float8_e4m3fn)
+    chunk = torch.randn(layout.chunk_shape).to(torch.float8_e4m3fn)
+    for codec in ("identity", "byteplanes", "bytesplit+zstd"):
+        config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / codec, "codec": codec})
+        with SyncKVStore(config, layout, namespace="fp8") as store:
+            key = store.chunk_keys(list(range(256)))[0]
+            assert store.put(key, chunk)
+            store.flush()
+        with SyncKVStore(config, layout, namespace="fp8") as fresh:  # from the disk, decoded
+            got = fresh.get(key)
+        assert got is not None and got.dtype == torch.float8_e4m3fn
+        assert torch.equal(got.view(torch.uint8), chunk.view(torch.uint8)), codec
+    lossy = StoreConfig(disk={"path": tmp_path / "lossy", "codec": "fp8+zstd", "allow_lossy": True})
+    with pytest.raises(ConfigError, match=r"disk.codec 'fp8\+zstd' cannot store this model's KV .*float8_e4m3fn"):
+        SyncKVStore(lossy, layout, namespace="fp8")

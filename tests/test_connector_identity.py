@@ -145,3 +145,21 @@ def test_hf_weights_swapped_at_the_same_path_never_load_the_old_kv(tmp_path):
                 assert connector.counters["loaded_chunks"] == 2 and not torch.equal(out, plain)
             else:
                 assert connector.counters["loaded_chunks"] == 0 and torch.equal(out, plain)
+
+
+def test_processes_of_one_engine_that_compute_different_namespaces_stop_it_naming_both():
+    """Issue 25 item 3: a scheduler and a worker that disagree would lose every chunk silently
+    (the worker files it where the scheduler never looks); the engine must not go on."""
+    from kvstore.connectors.identity import require_one_namespace
+    from kvstore.errors import ConfigError
+
+    require_one_namespace(("worker rank 0", "vllm:m#id=a [L]"), {"the scheduler": "vllm:m#id=a [L]"})
+    with pytest.raises(ConfigError) as refused:
+        require_one_namespace(
+            ("worker rank 1", "vllm:m#id=b [L]"),
+            {"the scheduler": "vllm:m#id=a [L]", "worker rank 0": "vllm:m#id=b [L]"},
+        )
+    message = str(refused.value)
+    assert "worker rank 1: 'vllm:m#id=b [L]'" in message and "the scheduler: 'vllm:m#id=a [L]'" in message
+    assert "worker rank 0" not in message  # only those that differ are named
+    assert "set kvstore_namespace explicitly" in message

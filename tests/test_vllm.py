@@ -1,8 +1,11 @@
 """kvstore's KVStoreConnector inside real vLLM (the CPU build), end to end, with one worker.
 
-The engines, models and helpers: tests/vllm_engines.py. Engine shapes beyond one worker and full
-attention (tensor parallelism, MLA, hybrid models, fp8): tests/test_vllm_shapes.py; the
-KVStoreTier: tests/test_vllm_tier.py.
+Every engine runs its scheduler and its worker in processes of their own (vLLM's CPU build does so
+under its default multiprocessing, even at TP=1), so the scheduler's store never sees the
+worker's DRAM tier; the engine core stays in the engine's first process (tests/vllm_engines.py,
+``processes``; the MLA tests run vLLM's full default). The engines, models and helpers:
+tests/vllm_engines.py. Engine shapes beyond one worker and full attention (tensor parallelism,
+MLA, hybrid models, fp8): tests/test_vllm_shapes.py; the KVStoreTier: tests/test_vllm_tier.py.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,21 +21,46 @@ import torch
 from support import TEST_BUCKET
 from vllm_engines import (
     REUSABLE_CHUNKS,
-    corrupt_every_file,
     disk_extra,
     run_engine,
 )
 
-from kvstore import StoreConfig, SyncKVStore
+from kvstore import KVLayout, StoreConfig, SyncKVStore
 from tests.vllm_support.prompts import prompt
+
+CODEC = "bytesplit+zstd"
+
+
+@pytest.fixture(scope="module")
+def written(
+    vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], Path]:
+    """One engine's report and the disk it filled: it computed three prompts (gen, other, third)
+    and stored their 3 chunks each (codec bytesplit+zstd). Tests that read them work on copies."""
+    root = tmp_path_factory.mktemp("written")
+    report = run_engine(vllm_python, tiny_llama, root, disk_extra(root / "disk", codec=CODEC), "gen,other,third,flush")
+    assert [run["cached_tokens"] for run in report["runs"]] == [0, 0, 0]
+    assert report["stats"]["disk"]["writes"] == 3 * REUSABLE_CHUNKS
+    return report, root / "disk"
+
+
+def copy_of(written: tuple[dict[str, Any], Path], tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The writer's report, and the options of an engine on a copy of its disk."""
+    report, disk = written
+    shutil.copytree(disk, tmp_path / "disk")
+    return report, disk_extra(tmp_path / "disk", codec=CODEC)
 
 
 def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm_python, tiny_llama, tmp_path):
-    """First two requests with one prompt in one batch: they save its chunks once, and the staging
+    """No disk: only the worker's DRAM tier holds the prompt's chunks, and the scheduler, in
+    another process, cannot see it: its record of what it had the worker save finds them.
+
+    First two requests with one prompt in one batch: they save its chunks once, and the staging
     buffers reused for the next prompt's chunks are each used for one chunk (else a chunk would be
     stored with another's KV, and the prompt loaded again below would give other tokens)."""
     steps = "pair,gen,other,reset,gen,salted"
-    report = run_engine(vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), steps)
+    extra = {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}}}
+    report = run_engine(vllm_python, tiny_llama, tmp_path, extra, steps)
     pair, first, other, again, salted = report["runs"]
     stats = report["stats"]
     print("startup", round(report["startup_s"], 1), "s; stats", json.dumps(stats))
@@ -63,70 +92,52 @@ def test_connector_recomputes_what_the_load_planner_finds_faster_to_compute(vllm
     assert stats["connector"]["loaded_chunks"] == 0 and stats["scheduler"]["hit_tokens"] == 0
 
 
-def test_connector_with_the_worker_in_its_own_process_reuses_chunks_only_its_dram_holds(
-    vllm_python, tiny_llama, tmp_path
+def test_connector_a_fresh_engine_loads_sound_chunks_and_recomputes_corrupt_ones_exactly(
+    vllm_python, tiny_llama, tmp_path, written
 ):
-    """vLLM's default on the CPU: the engine in one process, its worker in another (as with tensor
-    parallelism on GPUs). The scheduler's store cannot see the worker's DRAM; with no disk tier,
-    only the scheduler's record of what it had the worker save can find the prefix."""
-    extra = {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}}}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    report = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,reset,gen", env)
-    first, again = report["runs"]
-    assert first["cached_tokens"] == 0
-    assert again["cached_tokens"] == REUSABLE_CHUNKS * 256 and again["tokens"] == first["tokens"]
-
-
-def test_connector_a_fresh_engine_loads_the_prefix_from_disk(vllm_python, tiny_llama, tmp_path):
-    extra = disk_extra(tmp_path / "disk", codec="bytesplit+zstd")
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")
-    assert first["stats"]["disk"]["writes"] == REUSABLE_CHUNKS
-    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen")
-    run, stats = fresh["runs"][0], fresh["stats"]
-    print("fresh engine stats", json.dumps(stats))
-    assert run["tokens"] == first["runs"][0]["tokens"]
-    assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
-    assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
-    assert stats["store"]["streamed"] == REUSABLE_CHUNKS and stats["store"]["streamed_from_dram"] == 0
-    assert stats["disk"]["corrupt"] == 0
-
-
-def test_connector_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python, tiny_llama, tmp_path):
-    extra = disk_extra(tmp_path / "disk")
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")
-    assert corrupt_every_file(tmp_path / "disk") == REUSABLE_CHUNKS
-    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")
-    run, stats = fresh["runs"][0], fresh["stats"]
-    print("after corruption", json.dumps(stats))
-    assert run["tokens"] == first["runs"][0]["tokens"]
-    assert stats["connector"]["load_failures"] == 1
-    assert stats["connector"]["failed_blocks"] == REUSABLE_CHUNKS * 256 // 128
-    assert stats["connector"]["loaded_chunks"] == 0
-    assert stats["disk"]["corrupt"] >= 1
-    # The recomputed chunks replaced the corrupt ones: the next engine loads them.
-    assert stats["connector"]["saved_chunks"] == REUSABLE_CHUNKS and stats["disk"]["files"] == REUSABLE_CHUNKS
-    healed = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen")
-    assert healed["stats"]["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
-    assert healed["runs"][0]["tokens"] == first["runs"][0]["tokens"]
-
-
-def test_connector_one_corrupt_chunk_fails_alone_and_the_chunks_before_it_load(vllm_python, tiny_llama, tmp_path):
-    """The middle chunk of three is corrupt: the first is loaded, vLLM recomputes from the second
-    (512 tokens, not 768), the output is the same."""
-    extra = disk_extra(tmp_path / "disk")
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")
-    (victim,) = (tmp_path / "disk").rglob(f"{first['keys'][1]}*")
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen")
-    run, stats = fresh["runs"][0], fresh["stats"]
-    print("one corrupt chunk", json.dumps(stats))
-    assert run["tokens"] == first["runs"][0]["tokens"]
-    assert stats["scheduler"]["hit_tokens"] == REUSABLE_CHUNKS * 256  # what the lookup promised
-    assert stats["connector"]["loaded_tokens"] == 256 and stats["connector"]["loaded_chunks"] == 1
-    assert stats["connector"]["failed_blocks"] == 2 * 256 // 128  # the corrupt chunk's and the last one's
-    assert stats["connector"]["partial_loads"] == 1 and stats["disk"]["corrupt"] == 1
+    """A fresh engine on a copy of the writer's disk, where every chunk of "other" is corrupt and
+    the middle chunk of "third": "gen" streams its 3 chunks from the disk; "other" fails its load
+    (6 blocks reported), is recomputed, counted, and its chunks saved again; "third" keeps its first
+    chunk and vLLM recomputes from the second (512 tokens, not 768). Every output is the writer's."""
+    first, extra = copy_of(written, tmp_path)
+    disk, keys = tmp_path / "disk", first["prompt_keys"]
+    other_files = [path for key in keys["other"] for path in disk.rglob(f"{key}*")]
+    (victim,) = disk.rglob(f"{keys['third'][1]}*")
+    for path in [*other_files, victim]:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    assert len(other_files) == REUSABLE_CHUNKS
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,other,third,flush")
+    runs, stats = {run["step"]: run for run in fresh["runs"]}, fresh["stats"]
+    print("fresh engine on a damaged disk", json.dumps(stats))
+    for step, run in runs.items():
+        assert run["tokens"] == first["runs"][["gen", "other", "third"].index(step)]["tokens"], step
+    # vLLM reports the tokens the lookup promised as cached (768 each), recomputing what failed:
+    # what was loaded is in the connector's counters
+    assert runs["gen"]["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["scheduler"]["hit_tokens"] == 3 * REUSABLE_CHUNKS * 256  # what the lookups promised
+    connector = stats["connector"]
+    assert (
+        connector["loaded_chunks"] == REUSABLE_CHUNKS + 1 and connector["loaded_tokens"] == (REUSABLE_CHUNKS + 1) * 256
+    )
+    assert connector["load_failures"] == 2 and connector["partial_loads"] == 1  # other's whole load, third's tail
+    assert connector["failed_blocks"] == REUSABLE_CHUNKS * 256 // 128 + 2 * 256 // 128
+    assert stats["store"]["streamed"] >= REUSABLE_CHUNKS and stats["store"]["streamed_from_dram"] == 0
+    assert stats["disk"]["corrupt"] == REUSABLE_CHUNKS + 1
+    # The recomputed chunks replaced the corrupt ones: the next reader gets all nine, checksums checked.
+    assert connector["saved_chunks"] == REUSABLE_CHUNKS + 2 and stats["disk"]["files"] == 3 * REUSABLE_CHUNKS
+    model = json.loads((tiny_llama / "config.json").read_text())
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    layout = KVLayout(
+        num_layers=model["num_hidden_layers"],
+        num_kv_heads=model["num_key_value_heads"],
+        head_dim=head_dim,
+        dtype=torch.float32,
+    )
+    config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": disk, "codec": CODEC})
+    with SyncKVStore(config, layout, namespace=first["namespace"]) as store:
+        assert all(store.get(key) is not None for step in ("gen", "other", "third") for key in keys[step])
 
 
 def test_connector_weights_swapped_at_the_same_path_load_nothing_stale(vllm_python, tiny_llama, tmp_path):
@@ -160,7 +171,7 @@ def test_connector_a_misspelled_option_stops_the_engine_with_its_name(vllm_pytho
     assert "kvstore_config:" in failed["output"]  # the valid options are listed
 
 
-def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python, tiny_llama, tmp_path):
+def test_connector_chunks_hold_the_same_kv_as_transformers_computes(tiny_llama, tmp_path, written):
     """The paged-block format of vLLM's CPU backend is read right: K is K, V is V, token order kept.
 
     A chunk vLLM saved is read back with kvstore alone and compared with the KV transformers
@@ -171,10 +182,10 @@ def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python,
 
     from kvstore.connectors.hf import layout_for_model
 
-    report = run_engine(vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), "gen,flush")
+    report, _ = copy_of(written, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     ids = prompt(0, 1000)
-    config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk"})
+    config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk", "codec": CODEC})
     assert report["namespace"].startswith(f"vllm:{tiny_llama}#id=")
     with SyncKVStore(config, layout_for_model(model), namespace=report["namespace"]) as store:
         keys = store.chunk_keys(ids)
@@ -189,50 +200,54 @@ def test_connector_chunks_hold_the_same_kv_as_transformers_computes(vllm_python,
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (layer, plane, (got - want).abs().max())
 
 
-def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(vllm_python, tiny_llama, tmp_path):
-    """Redis is frozen (SIGSTOP) in front of a fresh engine: the lookup and the writes time out,
-    the prompt is computed, the output is the same, and the engine shuts down."""
+def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(
+    vllm_python, tiny_llama, tmp_path, written
+):
+    """Redis is frozen (SIGSTOP) in front of a fresh engine: the scheduler's lookup and the
+    worker's writes time out (the worker's counted once its writes are flushed), the prompt is
+    computed, the output is what the writer of ``written`` computed, and the engine shuts down."""
     from kvstore.devtools.servers import RedisServer
 
     with RedisServer() as server:
         redis = {"enabled": True, "url": server.url, "codec": "lz4"}
         config = {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}, "redis": redis}
         extra = {"kvstore_config": {**config, "timeouts": {"get": 1, "put": 1, "close": 2}}}
-        first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush")
         try:
-            frozen = run_engine(vllm_python, tiny_llama, tmp_path, extra, "freeze,gen", freeze_pid=server.pids[0])
+            frozen = run_engine(vllm_python, tiny_llama, tmp_path, extra, "freeze,gen,flush", freeze_pid=server.pids[0])
         finally:
             server.resume()
     run, stats = frozen["runs"][0], frozen["stats"]
     print("frozen redis", run["seconds"], "s;", json.dumps(stats))
-    assert run["tokens"] == first["runs"][0]["tokens"]
+    assert run["tokens"] == written[0]["runs"][0]["tokens"]
     assert run["cached_tokens"] == 0
     assert stats["redis"]["timeouts"] >= 1 and stats["connector"]["load_failures"] == 0
+    assert stats["scheduler"]["hit_tokens"] == 0
     assert run["seconds"] < 60  # a guard against a hang, not a timing: the timeout is 1 s
 
 
-@pytest.mark.parametrize("tier", ["redis", "moto"])
-def test_connector_a_fresh_engine_loads_the_prefix_from_a_remote_tier(vllm_python, tiny_llama, tmp_path, request, tier):
+def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
+    vllm_python, tiny_llama, tmp_path, redis_server, moto_server
+):
+    """One engine writes the prompt's chunks to Redis and to S3 (moto); a fresh engine with only
+    Redis, then one with only S3, streams them back from that tier: the same tokens."""
     prefix = f"vllm-{uuid.uuid4().hex[:8]}"
-    env: dict[str, str] = {}
-    config: dict[str, Any] = {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}}
-    if tier == "redis":
-        server = request.getfixturevalue("redis_server")
-        config["redis"] = {"enabled": True, "url": server.url, "prefix": prefix, "codec": "bytesplit+lz4"}
-    else:
-        server = request.getfixturevalue("moto_server")
-        env = server.credentials_env()
-        config["s3"] = {"enabled": True, "bucket": TEST_BUCKET, "prefix": prefix, "codec": "bytesplit+zstd"}
-    extra = {"kvstore_config": config}
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", env)
-    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", env)
-    run, stats = fresh["runs"][0], fresh["stats"]
-    remote = "redis" if tier == "redis" else "s3"
-    print(tier, json.dumps(stats))
-    assert run["tokens"] == first["runs"][0]["tokens"]
-    assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
-    assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
-    assert stats[remote]["corrupt"] == 0 and stats["store"]["streamed_from_dram"] == 0
+    env = moto_server.credentials_env()
+    tiers: dict[str, dict[str, Any]] = {
+        "redis": {"enabled": True, "url": redis_server.url, "prefix": prefix, "codec": "bytesplit+lz4"},
+        "s3": {"enabled": True, "bucket": TEST_BUCKET, "prefix": prefix, "codec": "bytesplit+zstd"},
+    }
+    base: dict[str, Any] = {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}}
+    first = run_engine(vllm_python, tiny_llama, tmp_path, {"kvstore_config": {**base, **tiers}}, "gen,flush", env)
+    assert first["stats"]["redis"]["writes"] == first["stats"]["s3"]["writes"] == REUSABLE_CHUNKS
+    for remote, tier in tiers.items():
+        fresh = run_engine(vllm_python, tiny_llama, tmp_path, {"kvstore_config": {**base, remote: tier}}, "gen", env)
+        run, stats = fresh["runs"][0], fresh["stats"]
+        print(remote, json.dumps(stats))
+        assert run["tokens"] == first["runs"][0]["tokens"], remote
+        assert run["cached_tokens"] == REUSABLE_CHUNKS * 256, remote
+        assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS, remote
+        assert stats[remote]["hits"] == REUSABLE_CHUNKS and stats[remote]["corrupt"] == 0, remote
+        assert stats["store"]["streamed_from_dram"] == 0, remote
 
 
 def test_importing_the_vllm_integration_without_vllm_says_what_to_install():

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,6 @@ from vllm_engines import (
     ROOT,
     SUPPORT,
     TP2_ENV,
-    corrupt_every_file,
     disk_extra,
     remove_chunk_files,
     run_engine,
@@ -82,78 +82,165 @@ def test_connector_reuses_a_cache_across_tensor_parallel_degrees(vllm_python, ti
     assert [rank["partial_loads"] for rank in ranks] == [1, 1]
 
 
-def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, tiny_mla):
+# -- MLA ------------------------------------------------------------------------------------------
+# vLLM's CPU backend runs MLA with its AMX kernels (AMX_MLA: bfloat16 weights, blocks of 128) where
+# the CPU has AMX, else with its portable ones (CPU_MLA: any dtype, blocks of 16). Each test runs
+# both: the engine's own choice on this CPU, in bfloat16, and the portable kernels, chosen with
+# vLLM's documented --attention-backend CPU_MLA, in float32.
+KERNELS = {  # (dtype, attention backend): None lets vLLM choose
+    "engine_choice": ("bfloat16", None),
+    "portable": ("float32", "CPU_MLA"),
+}
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, vllm_cpu, tiny_mla, kernels):
     """From vLLM's own configuration, without an engine: an MLA model's chunk is one latent plane
-    of one head; pipeline parallelism and sparse MLA are refused, naming the limit and what to do."""
+    of one head, in blocks of the size vLLM picked for the backend it picked; pipeline and context
+    parallelism, fp8 MLA caches and sparse MLA are refused, naming the limit and what to do; fp8
+    KV is refused on a CPU without AVX-512 or AMX (simulated) and stored as fp8 values elsewhere."""
+    dtype, backend = KERNELS[kernels]
     result = subprocess.run(
-        [str(vllm_python), str(SUPPORT / "layout_check.py"), str(tiny_mla)], capture_output=True, text=True,
-        timeout=ENGINE_TIMEOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,
+        [str(vllm_python), str(SUPPORT / "layout_check.py"), str(tiny_mla), dtype, *([backend] if backend else [])],
+        capture_output=True, text=True, timeout=ENGINE_TIMEOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["layout"] == [2, 1, 1, 512 + 64]  # layers, planes, heads, kv_lora_rank + qk_rope_head_dim
-    assert report["format"] == "mla_latent" and report["block_size"] == 16  # vLLM's CPU MLA kernels: blocks of 16
-    assert "do not support pipeline parallelism (pipeline_parallel_size 2)" in report["pipeline"]
+    assert report["format"] == "mla_latent"
+    if report["backend"] == "AMXMLABackend":  # vLLM's choice on a CPU with AMX
+        assert kernels == "engine_choice" and report["block_size"] % 32 == 0
+    else:
+        assert report["backend"] == "CPUMLABackend" and report["block_size"] == 16
+    assert "pipeline parallelism (pipeline_parallel_size=2)" in report["pipeline"]
     assert "use pipeline_parallel_size 1" in report["pipeline"]
+    assert "context parallelism (prefill_context_parallel_size=1, decode_context_parallel_size=2)" in report["context"]
+    assert "use tensor parallelism (tensor_parallel_size) instead" in report["context"]
+    assert "cannot store an MLA model's fp8 latents" in report["fp8_mla"]
+    if vllm_cpu["fp8_kv"]:  # vLLM's CPU build runs fp8 KV here: stored as its e4m3 values
+        assert report["fp8"] == "torch.float8_e4m3fn"
+    else:
+        assert "needs, on a CPU, x86 with AVX-512 or AMX" in report["fp8"]
+    assert "needs, on a CPU, x86 with AVX-512 or AMX" in report["fp8_without_avx512"]
+    assert "use kv_cache_dtype 'auto'" in report["fp8_without_avx512"].lower()
+    assert "cannot store kv_cache_dtype 'int8_per_token_head'" in report["int8"]
     assert "not sparse ones" in report["sparse"] and "without kvstore" in report["sparse"]
 
 
-def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, tiny_mla, tmp_path):
-    """An MLA model (vLLM's CPU_MLA backend: one latent of 576 per token, blocks of 16) stores one
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, vllm_cpu, tiny_mla, tmp_path, kernels):
+    """A DeepSeek-style MLA model with YaRN rope (as every real DeepSeek-V2/V3) stores one latent
     plane per layer; a fresh engine loads it from disk and generates what the first computed.
+    Both engines run in vLLM's default multiprocessing, as users run it: the scheduler and the
+    workers are processes of their own, and vLLM's model code rewrites the rope type in the
+    workers only: one namespace on both sides or nothing loads. The engine's kernels at TP=2, the
+    portable ones at TP=1.
 
-    vLLM disables its own prefix cache for MLA on CPU, so every token it did not compute came
-    from kvstore. The stored latent is checked against the model's own: layer 0's compressed KV
-    (the first ``kv_lora_rank`` values of a token's latent) is the normalized down-projection
-    of the token's embedding, computed here from the checkpoint's weights.
+    The stored latent is checked against the model's own: layer 0's compressed KV (the first
+    ``kv_lora_rank`` values of a token's latent) is the normalized down-projection of the
+    token's embedding, computed here from the checkpoint's weights.
     """
     from kvstore import KVLayout
     from tests.vllm_support.mla_reference import layer0_compressed_kv
 
+    dtype, backend = KERNELS[kernels]
+    tp = 2 if kernels == "engine_choice" else 1
+    choice = ("--attention-backend", backend) if backend else ()
+    options = ("--dtype", dtype, "--tensor-parallel-size", str(tp), *choice)
+    env = TP2_ENV if tp > 1 else None
     extra = disk_extra(tmp_path / "disk")
-    first = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen,other,flush", block_size=16)
+    first = run_engine(
+        vllm_python, tiny_mla, tmp_path, extra, "gen,other,flush", env, options=options, processes="default"
+    )
     computed, other = first["runs"]
     assert computed["cached_tokens"] == 0
     assert other["tokens"] != computed["tokens"]  # the output depends on the prompt: equality below means something
     assert first["stats"]["connector"]["saved_chunks"] == 2 * REUSABLE_CHUNKS
     assert first["stats"]["disk"]["writes"] == 2 * REUSABLE_CHUNKS
-    fresh = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen", block_size=16)
+    fresh = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen", env, options=options, processes="default")
     run, stats = fresh["runs"][0], fresh["stats"]
-    print("MLA fresh engine stats", json.dumps(stats))
+    print(f"MLA ({fresh['attention']}, blocks of {fresh['block_size']}) fresh engine stats", json.dumps(stats))
+    assert fresh["attention"] in ("CPU_MLA", "AMX_MLA")  # the portable kernels, or AMX's (where the CPU has AMX)
+    assert (fresh["block_size"] == 16) if fresh["attention"] == "CPU_MLA" else (fresh["block_size"] % 32 == 0)
+    assert fresh["attention"] == "CPU_MLA" or (kernels == "engine_choice" and vllm_cpu["amx"])
     assert run["tokens"] == computed["tokens"]
     assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
-    assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
-    assert stats["connector"]["loaded_tokens"] == REUSABLE_CHUNKS * 256
+    assert [rank["loaded_tokens"] for rank in stats["ranks"]] == [REUSABLE_CHUNKS * 256] * tp
+    assert stats["scheduler"]["hit_tokens"] == REUSABLE_CHUNKS * 256
     assert stats["connector"]["load_failures"] == 0 and stats["disk"]["corrupt"] == 0
     assert stats["store"]["streamed"] == REUSABLE_CHUNKS and stats["store"]["streamed_from_dram"] == 0
 
     config = json.loads((tiny_mla / "config.json").read_text())
     rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
-    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=rank + rope, dtype=torch.float32, kv_planes=1)
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=rank + rope, dtype=getattr(torch, dtype), kv_planes=1)
     store_config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk"})
     with SyncKVStore(store_config, layout, namespace=first["namespace"]) as store:
         chunk = store.get(store.chunk_keys(prompt(0, 1000))[0])
     assert chunk is not None and chunk.shape == (2, 1, 256, 1, rank + rope)
-    got, want = chunk[0, 0, :, 0, :rank], layer0_compressed_kv(tiny_mla, prompt(0, 256))
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    got, want = chunk[0, 0, :, 0, :rank].float(), layer0_compressed_kv(tiny_mla, prompt(0, 256))
+    tolerance = 1e-4 if dtype == "float32" else 0.05  # bfloat16 keeps 8 bits of mantissa: ~0.02 seen
+    assert torch.allclose(got, want, atol=tolerance, rtol=tolerance / 2), (got - want).abs().max()
 
 
-def test_connector_an_fp8_kv_cache_stops_the_engine_saying_to_use_auto(vllm_python, tiny_llama, tmp_path):
-    """kv_cache_dtype fp8 is refused at engine start with what to do instead: kvstore has not
-    been run against an engine holding fp8 blocks (vllm-cpu 0.32 runs them only on x86 with
-    AVX-512 or AMX; it fails later, building its attention metadata, with "FP8 KV cache on CPU
-    requires x86 with AVX-512 or AMX.")."""
-    failed = run_engine(
-        vllm_python, tiny_llama, tmp_path, disk_extra(tmp_path / "disk"), "gen", expect_failure=True,
-        kv_cache_dtype="fp8",
+# -- fp8 KV ---------------------------------------------------------------------------------------
+
+
+def test_connector_an_fp8_kv_cache_is_stored_as_the_engines_fp8_values(vllm_python, vllm_cpu, tiny_llama, tmp_path):
+    """kv_cache_dtype fp8 (e4m3, scale 1.0 without a calibrated checkpoint): chunks hold the engine's
+    own fp8 bytes, read as K and V (layer 0's are transformers' K and V rounded to fp8, read back
+    from the disk tier), and once vLLM forgets the prompt it is loaded from kvstore and gives what
+    was computed. vLLM's CPU build runs fp8 KV only on x86 with AVX-512 or AMX; elsewhere the
+    engine stops at start, saying so."""
+    extra = disk_extra(tmp_path / "disk")
+    if not vllm_cpu["fp8_kv"]:
+        failed = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", expect_failure=True, kv_cache_dtype="fp8")
+        assert "kv_cache_dtype 'fp8' needs, on a CPU, x86 with AVX-512 or AMX" in failed["output"]
+        return
+    report = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,other,flush,reset,gen", kv_cache_dtype="fp8")
+    (computed, other, run), stats = report["runs"], report["stats"]
+    print(f"fp8 KV ({report['attention']}) stats", json.dumps(stats))
+    assert other["tokens"] != computed["tokens"]
+    assert run["tokens"] == computed["tokens"] and run["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS and stats["connector"]["load_failures"] == 0
+    assert stats["disk"]["writes"] == 2 * REUSABLE_CHUNKS
+
+    from transformers import AutoModelForCausalLM
+
+    from kvstore import KVLayout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    config = model.config
+    layout = KVLayout(
+        num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads, dtype=torch.float8_e4m3fn,
     )  # fmt: skip
-    assert "kv_cache_dtype 'fp8' is not supported by kvstore's vLLM connector" in failed["output"]
-    assert "Use kv_cache_dtype 'auto'" in failed["output"]
+    store_config = StoreConfig(dram={"capacity": "16MiB"}, disk={"path": tmp_path / "disk"})
+    with SyncKVStore(store_config, layout, namespace=report["namespace"]) as store:  # from the disk, decoded
+        chunk = store.get(store.chunk_keys(prompt(0, 1000))[0])
+    assert chunk is not None and chunk.dtype == torch.float8_e4m3fn
+    with torch.no_grad():
+        cache = model(torch.tensor([prompt(0, 256)]), use_cache=True).past_key_values
+    # Layer 0 only: later layers' K and V follow attention over fp8 KV in vLLM, over exact KV in transformers.
+    for plane, hf in enumerate((cache.layers[0].keys, cache.layers[0].values)):
+        want = hf[0].transpose(0, 1)  # [heads, tokens, dim] -> [tokens, heads, dim]
+        got = chunk[0, plane].float()
+        # e4m3 keeps 3 bits of mantissa: within one step (1/8 of the value's power of two) of the exact value
+        assert torch.all((got - want).abs() <= want.abs() / 8 + 1 / 64), (plane, (got - want).abs().max())
 
 
 # -- hybrid models --------------------------------------------------------------------------------
 # A Gemma-3-style model: layers 0 and 2 attend to a sliding window of 256 tokens, 1 and 3 to all;
 # vLLM's hybrid KV cache manager (on by default) keeps them in two KV cache groups.
+
+
+def corrupt_chunks_of(disk: Path, keys: list[str]) -> int:
+    """Flip one byte in the middle of each of these chunks' files; returns how many."""
+    files = [path for key in keys for path in disk.rglob(f"{key}*")]
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return len(files)
 
 
 @pytest.mark.parametrize("chunk_tokens", [256, 512])
@@ -162,50 +249,51 @@ def test_connector_hybrid_model_a_fresh_engine_loads_every_group(vllm_python, ti
     stored. Chunks of 512: 1 reusable, the sliding layers store only their last 256 rows of it
     (zeros before: no window reaches them), under a namespace of their own; the fresh engine runs
     at TP=2 (one KV head per worker). The writer prefills in steps of 384 tokens, so vLLM frees
-    sliding-window blocks between the steps that save them."""
+    sliding-window blocks between the steps that save them. Chunks of 256: a prompt whose chunks
+    are corrupt fails its whole prefix (per request) and is recomputed, the same tokens."""
     extra = disk_extra(tmp_path / "disk")
     extra["kvstore_chunk_tokens"] = chunk_tokens
     reusable = (1000 - 1) // chunk_tokens
-    first = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,flush", options=("--max-batched-tokens", "384"))
+    broken = chunk_tokens == 256  # the fresh engine also runs a prompt whose chunks are all corrupt
+    steps = "gen,third,flush" if broken else "gen,flush"
+    first = run_engine(vllm_python, tiny_gemma, tmp_path, extra, steps, options=("--max-batched-tokens", "384"))
+    if broken:
+        assert corrupt_chunks_of(tmp_path / "disk", first["prompt_keys"]["third"]) == reusable
     tp = 2 if chunk_tokens == 512 else 1
     env = TP2_ENV if tp > 1 else None
     options = ("--tensor-parallel-size", str(tp))
-    fresh = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen,other", env, options=options)
-    (run, other), stats = fresh["runs"], fresh["stats"]
+    fresh = run_engine(
+        vllm_python, tiny_gemma, tmp_path, extra, "gen,other,third" if broken else "gen,other", env, options=options
+    )
+    (run, other, *third), stats = fresh["runs"], fresh["stats"]
     print(json.dumps(first["stats"]), json.dumps(stats))
     assert first["kv_cache_groups"] == [{"layers": [0, 2], "window": 256}, {"layers": [1, 3], "window": None}]
     assert first["runs"][0]["cached_tokens"] == 0 and first["stats"]["scheduler"]["unsaveable_chunks"] == 0
-    assert first["stats"]["connector"]["saved_chunks"] == reusable
+    assert first["stats"]["connector"]["saved_chunks"] == reusable * len(first["runs"])
     assert other["tokens"] != run["tokens"]  # the output depends on the prompt
     assert run["tokens"] == first["runs"][0]["tokens"]
     assert run["cached_tokens"] == reusable * chunk_tokens
     assert [rank["loaded_chunks"] for rank in stats["ranks"]] == [reusable] * tp
-    assert all(rank["load_failures"] == 0 for rank in stats["ranks"])
+    assert all(rank["load_failures"] == int(broken) for rank in stats["ranks"])
     assert stats["disk"]["hits"] == reusable
     assert fresh["namespace"].endswith("#rows=in-window:w256+0") == (chunk_tokens == 512)  # window 256, extra 0
-    if chunk_tokens == 256:  # a corrupt chunk fails the whole prefix (per request): recomputed, same tokens
-        assert corrupt_every_file(tmp_path / "disk") == reusable + (1000 - 1) // chunk_tokens
-        broken = run_engine(vllm_python, tiny_gemma, tmp_path, extra, "gen")
-        stats = broken["stats"]
-        assert broken["runs"][0]["tokens"] == first["runs"][0]["tokens"]
-        assert stats["connector"]["load_failures"] == 1 and stats["connector"]["loaded_chunks"] == 0
+    if broken:  # recomputed whole, the same tokens
+        assert third[0]["tokens"] == first["runs"][1]["tokens"] and third[0]["cached_tokens"] == 0
         assert stats["disk"]["corrupt"] >= 1
 
 
 def test_connector_sliding_window_only_model_loads_whole_prefixes(vllm_python, tiny_gemma_sliding, tmp_path):
     """Every layer on a window of 256 (Mistral-7B-v0.1 style): one KV cache group, of sliding layers.
     Its loads are whole prefixes too (a block-level failure would make vLLM recompute from a block
-    whose window it no longer holds): a fresh engine loads 3 chunks, the same tokens; with every
-    chunk corrupt, the request is recomputed whole, the same tokens."""
+    whose window it no longer holds): a fresh engine loads the 3 chunks of one prompt, the same
+    tokens; another prompt's chunks are all corrupt: that request is recomputed whole, the same tokens."""
     extra = disk_extra(tmp_path / "disk")
-    first = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen,flush")
-    fresh = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen")
+    first = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen,third,flush")
+    assert corrupt_chunks_of(tmp_path / "disk", first["prompt_keys"]["third"]) == REUSABLE_CHUNKS
+    fresh = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen,third")
+    (run, broken), stats = fresh["runs"], fresh["stats"]["connector"]
     assert fresh["kv_cache_groups"] == [{"layers": [0, 1, 2, 3], "window": 256}]
-    assert fresh["runs"][0]["tokens"] == first["runs"][0]["tokens"]
-    assert fresh["runs"][0]["cached_tokens"] == REUSABLE_CHUNKS * 256
-    assert fresh["stats"]["connector"]["loaded_chunks"] == REUSABLE_CHUNKS
-    assert fresh["stats"]["connector"]["load_failures"] == 0
-    assert corrupt_every_file(tmp_path / "disk") == REUSABLE_CHUNKS
-    broken = run_engine(vllm_python, tiny_gemma_sliding, tmp_path, extra, "gen")
-    assert broken["runs"][0]["tokens"] == first["runs"][0]["tokens"]
-    assert broken["stats"]["connector"]["load_failures"] == 1 and broken["stats"]["connector"]["failed_blocks"] == 0
+    assert run["tokens"] == first["runs"][0]["tokens"] and run["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert broken["tokens"] == first["runs"][1]["tokens"] and broken["cached_tokens"] == 0
+    assert stats["loaded_chunks"] == REUSABLE_CHUNKS
+    assert stats["load_failures"] == 1 and stats["failed_blocks"] == 0  # the whole request, not blocks

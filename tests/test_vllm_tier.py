@@ -5,17 +5,25 @@ test-only spec whose worker does the same engine <-> primary-buffer copies with 
 Everything else (the CPU primary tier, the tiering manager calling KVStoreTier) is vLLM's code.
 Chunks of 256 tokens (2 engine blocks); the primary holds 4, so a second 3-chunk prompt evicts
 part of the first.
+
+The tier lives in vLLM's scheduler: an engine whose counters a test reads runs its engine core in
+the test's engine process (``processes="one"``, the default for tier engines here); the writer
+whose chunks most fresh engines read (``tier_written``) runs vLLM's default multiprocessing, as
+users run it (its tier, in the engine core's process, finishes its writes when the engine shuts
+down).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from vllm_engines import (
     ENGINE_TIMEOUT,
     REUSABLE_CHUNKS,
@@ -27,6 +35,39 @@ from vllm_engines import (
     tier_extra,
 )
 
+TIER_DISK_CODEC = "zstd"
+
+
+@pytest.fixture(scope="module")
+def tier_written(
+    vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: Any
+) -> tuple[dict[str, Any], Path, dict[str, Any]]:
+    """One engine's report, the disk its tier filled (codec zstd) and the Redis tier it filled too:
+    it computed the prompt in vLLM's default multiprocessing, its tier, in the engine core's
+    process, finishing its writes at shutdown. Tests that read the disk work on copies of it."""
+    root = tmp_path_factory.mktemp("tier-written")
+    redis = {"enabled": True, "url": redis_server.url, "prefix": f"tier-{uuid.uuid4().hex[:8]}", "codec": "lz4"}
+    disk = {"path": str(root / "disk"), "codec": TIER_DISK_CODEC}
+    extra = tier_extra({"dram": {"capacity": "16MiB"}, "disk": disk, "redis": redis})
+    report = run_engine(vllm_python, tiny_llama, root, extra, "gen", mode="tier", processes="default")
+    assert report["runs"][0]["cached_tokens"] == 0
+    assert len(chunk_files(root / "disk")) == REUSABLE_CHUNKS  # all written before the engine core exited
+    return report, root / "disk", redis
+
+
+def chunk_files(disk: Path) -> list[Path]:
+    return [path for path in disk.rglob("*") if path.is_file() and path.stat().st_size > 4096]
+
+
+def tier_copy(
+    written: tuple[dict[str, Any], Path, dict[str, Any]], tmp_path: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The writer's report, and the options of a tier engine on a copy of its disk (no Redis)."""
+    report, disk, _ = written
+    shutil.copytree(disk, tmp_path / "disk")
+    config = {**tier_disk(tmp_path / "disk"), "disk": {"path": str(tmp_path / "disk"), "codec": TIER_DISK_CODEC}}
+    return report, tier_extra(config)
+
 
 def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
     """tests/vllm_support/contract_tier.py, under vLLM's environment (it imports vLLM's types)."""
@@ -37,7 +78,7 @@ def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
     result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
     print(result.stdout[-2000:])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "15 passed" in result.stdout
+    assert "17 passed" in result.stdout
 
 
 def test_tier_serves_the_chunks_vllms_cpu_tier_evicted(vllm_python, tiny_llama, tmp_path):
@@ -55,9 +96,9 @@ def test_tier_serves_the_chunks_vllms_cpu_tier_evicted(vllm_python, tiny_llama, 
     assert stats["disk"]["files"] == 2 * REUSABLE_CHUNKS
 
 
-def test_tier_a_fresh_engine_loads_every_chunk_from_kvstore(vllm_python, tiny_llama, tmp_path):
-    extra = tier_extra({**tier_disk(tmp_path / "disk"), "disk": {"path": str(tmp_path / "disk"), "codec": "zstd"}})
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
+def test_tier_a_fresh_engine_loads_every_chunk_from_kvstore(vllm_python, tiny_llama, tmp_path, tier_written):
+    """Every chunk the writer's tier stored (in vLLM's default multiprocessing, see ``tier_written``) loads."""
+    first, extra = tier_copy(tier_written, tmp_path)
     fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
     run, stats = fresh["runs"][0], fresh["stats"]
     print("fresh tier stats", json.dumps(stats))
@@ -68,9 +109,30 @@ def test_tier_a_fresh_engine_loads_every_chunk_from_kvstore(vllm_python, tiny_ll
     assert stats["disk"]["hits"] == REUSABLE_CHUNKS and stats["disk"]["corrupt"] == 0
 
 
-def test_tier_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python, tiny_llama, tmp_path):
+def test_tier_an_fp8_kv_cache_round_trips_the_engines_bytes(vllm_python, vllm_cpu, tiny_llama, tmp_path):
+    """kv_cache_dtype fp8: the tier stores the engine's fp8 rows byte for byte (under a namespace
+    naming the KV dtype and the CPU kernels that laid the blocks out); a fresh fp8 engine loads
+    them and generates what the first computed. Where vLLM's CPU build cannot run fp8 KV (no
+    AVX-512, no AMX), the engine stops at start, saying so."""
     extra = tier_extra(tier_disk(tmp_path / "disk"))
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
+    if not vllm_cpu["fp8_kv"]:
+        failed = run_engine(
+            vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier", expect_failure=True, kv_cache_dtype="fp8"
+        )
+        assert "AVX-512 or AMX" in failed["output"]
+        return
+    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier", kv_cache_dtype="fp8")
+    fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier", kv_cache_dtype="fp8")
+    run, stats = fresh["runs"][0], fresh["stats"]
+    print("fp8 tier stats", json.dumps(stats))
+    assert run["tokens"] == first["runs"][0]["tokens"] and run["cached_tokens"] == REUSABLE_CHUNKS * 256
+    assert stats["tier"]["loaded_chunks"] == REUSABLE_CHUNKS and stats["tier"].get("load_failures", 0) == 0
+    assert stats["disk"]["hits"] == REUSABLE_CHUNKS and stats["disk"]["corrupt"] == 0
+    assert stats["rows"]["chunk_bytes"] == 2 * 2 * 256 * 2 * 32  # layers x K,V x tokens x heads x dim, one byte
+
+
+def test_tier_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python, tiny_llama, tmp_path, tier_written):
+    first, extra = tier_copy(tier_written, tmp_path)
     assert corrupt_every_file(tmp_path / "disk") == REUSABLE_CHUNKS
     fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
     run, stats = fresh["runs"][0], fresh["stats"]
@@ -84,13 +146,12 @@ def test_tier_corrupt_chunks_are_recomputed_exactly_and_counted(vllm_python, tin
     assert stats["tier"].get("stored_chunks", 0) <= REUSABLE_CHUNKS and stats["tier"].get("store_rejected", 0) == 0
 
 
-def test_tier_one_corrupt_chunk_fails_alone_and_the_others_load(vllm_python, tiny_llama, tmp_path):
+def test_tier_one_corrupt_chunk_fails_alone_and_the_others_load(vllm_python, tiny_llama, tmp_path, tier_written):
     """One bad chunk fails alone: the others load (in one promotion job, reported through
     successful_keys, or in jobs of their own: how vLLM batches them is its scheduling), and vLLM
     recomputes from the bad chunk on."""
-    extra = tier_extra(tier_disk(tmp_path / "disk"))
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
-    victim = sorted(p for p in (tmp_path / "disk").rglob("*") if p.is_file() and p.stat().st_size > 4096)[0]
+    first, extra = tier_copy(tier_written, tmp_path)
+    victim = sorted(chunk_files(tmp_path / "disk"))[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -103,10 +164,10 @@ def test_tier_one_corrupt_chunk_fails_alone_and_the_others_load(vllm_python, tin
     assert stats["disk"]["corrupt"] == 1
 
 
-def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp_path, redis_server):
-    redis = {"enabled": True, "url": redis_server.url, "prefix": f"tier-{uuid.uuid4().hex[:8]}", "codec": "lz4"}
+def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp_path, tier_written):
+    """A fresh engine with Redis as its only tier below DRAM loads what the writer's tier stored there."""
+    first, _, redis = tier_written
     extra = tier_extra({"dram": {"capacity": "16MiB"}, "disk": {"enabled": False}, "redis": redis})
-    first = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen,flush", mode="tier")
     fresh = run_engine(vllm_python, tiny_llama, tmp_path, extra, "gen", mode="tier")
     run, stats = fresh["runs"][0], fresh["stats"]
     assert run["tokens"] == first["runs"][0]["tokens"]
@@ -189,4 +250,4 @@ def test_tier_under_pipeline_parallelism_stops_the_engine_naming_the_limit_and_t
         vllm_python, tiny_llama, tmp_path, extra, "gen", env, "tier", expect_failure=True, options=options
     )
     assert "KVStoreTier cannot store KV under pipeline parallelism (pipeline_parallel_size=2)" in failed["output"]
-    assert "use tensor parallelism (tensor_parallel_size) instead" in failed["output"]
+    assert "tensor parallelism (tensor_parallel_size)" in failed["output"]

@@ -9,7 +9,15 @@ parallelism), a DeepSeek-V2-style MLA model and a Gemma-3-style hybrid model. Th
 registered for every test module by tests/conftest.py.
 
 A prompt of 1000 tokens has 3 full chunks of 256 that may be reused (the last token is always
-computed); vLLM's block size is 128.
+computed); vLLM's block size is 128 (16 for the MLA model on vLLM's portable CPU_MLA kernels).
+
+vLLM's CPU backend chooses kernels by instruction set: with AMX (``amx_tile``) it runs AMX
+attention and MLA kernels, which take bfloat16 (not float32) weights and blocks of a multiple of
+32 tokens; without, the portable ones. The tests read the backend, block size and paged format
+from the engine and assert what kvstore guarantees on either, and they run the portable MLA
+kernels too (``--attention-backend CPU_MLA``, vLLM's documented setting), so both paths run on
+whichever CPU runs the suite. ``TEST_VLLM_CPU_KERNELS=portable`` makes every engine choose the
+portable kernels (the whole suite as on a CPU without AMX).
 """
 
 from __future__ import annotations
@@ -44,41 +52,55 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
-def make_model(python: Path, factory: pytest.TempPathFactory, script: str, *args: str) -> Path:
-    """A tiny model directory, made by ``tests/vllm_support/<script>`` under vLLM's environment."""
-    path = factory.mktemp(script.removesuffix(".py"))
-    subprocess.run([str(python), str(SUPPORT / script), str(path), *args], check=True, capture_output=True)
-    return path
+@pytest.fixture(scope="session")
+def vllm_cpu(vllm_python: Path) -> dict[str, bool]:
+    """What vLLM's CPU backend can run here, as it decides: AMX kernels (``amx``), fp8 KV (AVX-512 or AMX)."""
+    probe = (
+        "import json, torch; amx = torch.cpu._is_amx_tile_supported(); "
+        "print(json.dumps({'amx': amx, 'fp8_kv': amx or torch.cpu._is_avx512_supported()}))"
+    )
+    result = subprocess.run([str(vllm_python), "-c", probe], check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_models(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every tiny model, made in one process under vLLM's environment (tests/vllm_support/tiny_models.py)."""
+    path = tmp_path_factory.mktemp("models")
+    made = subprocess.run(
+        [str(vllm_python), str(SUPPORT / "tiny_models.py"), str(path)], check=True, capture_output=True, text=True
+    )
+    return {name: Path(directory) for name, directory in json.loads(made.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     """A Llama with 2 KV heads of 32 (4 attention heads), 2 layers."""
-    return make_model(vllm_python, tmp_path_factory, "tiny_llama.py")
+    return tiny_models["llama"]
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_4kv(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_llama_4kv(tiny_models: dict[str, Path]) -> Path:
     """The tiny Llama with 4 KV heads (8 attention heads): tensor parallelism of 2 splits them 2 + 2."""
-    return make_model(vllm_python, tmp_path_factory, "tiny_llama.py", "--kv-heads", "4")
+    return tiny_models["llama_4kv"]
 
 
 @pytest.fixture(scope="session")
-def tiny_mla(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A DeepSeek-V2-style MLA model (tests/vllm_support/tiny_mla.py): latent 512 + 64, blocks of 16."""
-    return make_model(vllm_python, tmp_path_factory, "tiny_mla.py")
+def tiny_mla(tiny_models: dict[str, Path]) -> Path:
+    """A DeepSeek-V2-style MLA model (tests/vllm_support/tiny_mla.py): latent 512 + 64, YaRN rope."""
+    return tiny_models["mla"]
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_gemma(tiny_models: dict[str, Path]) -> Path:
     """A Gemma-3-style hybrid model (tests/vllm_support/tiny_gemma.py): sliding window 256, full attention."""
-    return make_model(vllm_python, tmp_path_factory, "tiny_gemma.py")
+    return tiny_models["gemma"]
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma_sliding(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_gemma_sliding(tiny_models: dict[str, Path]) -> Path:
     """The tiny Gemma with every layer on the sliding window: one KV cache group, sliding."""
-    return make_model(vllm_python, tmp_path_factory, "tiny_gemma.py", "--all-sliding")
+    return tiny_models["gemma_sliding"]
 
 
 def run_engine(
@@ -94,17 +116,27 @@ def run_engine(
     block_size: int = 128,
     kv_cache_dtype: str = "auto",
     options: tuple[str, ...] = (),
+    processes: str | None = None,
 ) -> dict[str, Any]:
     """One vLLM engine in a fresh process; its report (see run_engine.py), or its output if it failed.
 
-    ``options``: more of run_engine.py's arguments (``--tensor-parallel-size 2``, ``--max-tokens 8``).
+    ``processes`` (run_engine.py's ``--processes``): ``"default"`` is vLLM's default
+    multiprocessing, as users run it; ``"workers"`` keeps the engine core in the engine's first
+    process and starts each worker in its own, the same split for kvstore (scheduler and workers
+    apart), ~7 s faster; ``"one"`` puts everything at TP=1 in one process. By default connector
+    engines run ``workers`` and tier engines ``one`` (the tier lives in vLLM's scheduler, where
+    only an in-process engine core lets a test read its counters). ``options``: more of
+    run_engine.py's arguments (``--tensor-parallel-size 2``, ``--max-tokens 8``, ``--dtype
+    bfloat16``, ``--attention-backend CPU_MLA``).
     """
+    if processes is None:
+        processes = "one" if mode == "tier" else "workers"
     out = workdir / f"report-{uuid.uuid4().hex[:8]}.json"
     command = [
         str(python), str(SUPPORT / "run_engine.py"), "--model", str(model), "--mode", mode,
         "--extra", json.dumps(extra), "--steps", steps, "--out", str(out), "--freeze-pid", str(freeze_pid),
         "--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype,
-        *options,
+        "--processes", processes, *options,
     ]  # fmt: skip
     result = subprocess.run(
         command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT

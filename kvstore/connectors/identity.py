@@ -44,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvstore.errors import ConfigError
+
 log = logging.getLogger("kvstore.connectors")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -188,3 +190,24 @@ def default_namespace(
 ) -> str:
     """``<prefix>:<model>#id=<model_identity>``: the connectors' namespace unless one is given."""
     return f"{prefix}:{model}#id={model_identity(model, settings, revision)}"
+
+
+def require_one_namespace(own: tuple[str, str], others: Mapping[str, str]) -> None:
+    """Raise :class:`~kvstore.errors.ConfigError` unless every process of an engine keys chunks alike.
+
+    ``own`` is (who, identity) of the process checking, e.g. ``("worker rank 1", ...)``; ``others``
+    maps each other process (``"the scheduler"``) to the identity it computed: a namespace, with
+    whatever else keys depend on (the vLLM connector adds its layout). Processes that disagree
+    would lose every chunk silently (one files it where the other never looks), so the engine
+    must not go on: the error names both identities and the way out.
+    """
+    who, identity = own
+    differ = {name: theirs for name, theirs in others.items() if theirs != identity}
+    if differ:
+        listed = "; ".join(f"{name}: {theirs!r}" for name, theirs in sorted(differ.items()))
+        raise ConfigError(
+            f"kvstore: the processes of this engine key chunks differently ({who}: {identity!r}; {listed}), so "
+            "chunks saved by one would never be found by the other. A setting the default namespace hashes "
+            "differs between them; set kvstore_namespace explicitly (one per model and weights) and please "
+            "report this with your model's config.json and vLLM version"
+        )

@@ -23,8 +23,9 @@ block_size, content]`` tensor (RFC #42082); what ``content`` holds depends on th
   and the connector keeps such chunks apart (their keys carry the format's name).
 
 Only whole blocks are copied: a chunk covers ``chunk_tokens / block_size`` blocks exactly.
-Quantized caches (fp8, or per-token scales packed into ``content``) are not read here: a
-layer whose ``content`` is not what its format says is refused.
+An fp8 cache is read like any other, its values one byte each (the connector views vLLM's uint8
+cache as the fp8 dtype); caches with per-token scales packed into ``content`` are not: a layer
+whose ``content`` is not what its format says is refused.
 """
 
 from __future__ import annotations

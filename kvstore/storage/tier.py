@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 from kvstore.backends.base import Backend, ObjectFile, ObjectRead, ObjectWrite
 from kvstore.codecs import CodecPipeline
-from kvstore.errors import ChunkFormatError, ConfigError, ForeignChunkError
+from kvstore.codecs.base import SegmentSpec
+from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, note_failure, unreachable
@@ -80,9 +81,27 @@ class ChunkTier:
         # where encoding, decoding and checksums run (and a local backend's batches); a whole chunk's
         # encode or decode also spreads its layers over this pool's idle workers (container.layer_runs)
         self.executor = executor
+        self._refuse_a_codec_for_other_values()
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
         self._batch_layers = min(layout.num_layers, max(1, BATCH_BYTES // layout.layer_nbytes))
+
+    def _refuse_a_codec_for_other_values(self) -> None:
+        """ConfigError, at start, for a codec that cannot encode this layout's values (e.g. fp8 on fp8 KV).
+
+        One layer of zeros is encoded (lossy codecs quantize 16- and 32-bit floats only): else
+        every put to this tier would fail, one counted error at a time, and the tier keep nothing.
+        """
+        if self.codec.is_identity:
+            return
+        spec = SegmentSpec(self.layout.dtype, self.layout.layer_shape)
+        try:
+            self.codec.encode(memoryview(bytes(spec.nbytes)), spec)
+        except CodecError as exc:
+            raise ConfigError(
+                f"{self.name}.codec {self.codec.id!r} cannot store this model's KV ({self.layout.describe()}): "
+                f"{exc}; use a lossless codec for it (identity, zstd, byteplanes)"
+            ) from None
 
     async def open(self) -> None:
         """Open the backend, after refusing a byte budget below one chunk (it would evict everything it holds)."""

@@ -31,13 +31,16 @@ def spec(
     pp: int = 1,
     canonical_layout: bool = False,
     heads_split: bool = True,
+    dcp: int = 1,
+    dtype: str = "float32",
 ) -> SimpleNamespace:
     """An OffloadingSpec as the tier reads it; ``heads_split``: each rank holds its own KV heads."""
     parallel = SimpleNamespace(
-        rank=0, world_size=tp * pp, tp_size=tp, pp_size=pp, pcp_size=1, dcp_size=1, is_parallelism_agnostic=heads_split
-    )
+        rank=0, world_size=tp * pp * dcp, tp_size=tp, pp_size=pp, pcp_size=1, dcp_size=dcp,
+        is_parallelism_agnostic=heads_split,
+    )  # fmt: skip
     config = SimpleNamespace(
-        model=SimpleNamespace(name=model, dtype="float32"),
+        model=SimpleNamespace(name=model, dtype=dtype),
         kv_cache_layout=kv_cache_layout,
         canonical_layout=canonical_layout,
         groups=(SimpleNamespace(layer_names=("l0", "l1"), tokens_per_block=128, group_id=0),),
@@ -219,7 +222,11 @@ def test_a_row_written_at_tp2_loads_at_tp1_in_tp1_order_and_the_reverse(tmp_path
 @pytest.mark.parametrize(
     ("parallelism", "refusal"),
     [
-        ({"tp": 1, "pp": 2}, r"pipeline parallelism \(pipeline_parallel_size=2\).*use tensor parallelism"),
+        (
+            {"tp": 1, "pp": 2},
+            r"pipeline parallelism \(pipeline_parallel_size=2\).*tensor parallelism \(tensor_parallel",
+        ),
+        ({"dcp": 2}, r"context parallelism \(prefill_context_parallel_size=1, decode_context_parallel_size=2\)"),
         ({"tp": 2, "kv_cache_layout": "LBNHC"}, r"LBNHC are not head-major\); add \"canonical_layout\": true"),
         ({"tp": 2, "heads_split": False}, r"own KV heads.*add \"canonical_layout\": true"),
         ({"tp": 2, "heads_split": False, "canonical_layout": True}, r"not lay this model's KV out in TP-1 order"),
@@ -230,6 +237,23 @@ def test_parallelism_whose_rows_cannot_be_stored_in_tp1_order_is_refused_with_th
 ):
     with pytest.raises(ConfigError, match=refusal):
         KVStoreTier(spec(**parallelism), memoryview(primary), "KVStoreTier", kvstore_config={})
+
+
+def test_an_fp8_cache_whose_cpu_kernels_the_tier_cannot_tell_is_refused(primary, monkeypatch):
+    """On a CPU, fp8 blocks are laid out by AMX kernels for a bfloat16 model and by the portable
+    ones otherwise: a tier that cannot see the engine's model dtype (here: no engine at all)
+    refuses rather than risk reading one layout as the other; on a CPU without AVX-512 or AMX
+    (simulated) it refuses first for the missing kernels. Other KV dtypes are refused by name."""
+    import torch
+
+    with pytest.raises(ConfigError, match=r"cannot tell which CPU kernels lay out this engine's fp8 KV blocks"):
+        KVStoreTier(spec(dtype="fp8"), memoryview(primary), "KVStoreTier", kvstore_config={})
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(ConfigError, match=r"'fp8' needs, on a CPU, x86 with AVX-512 or AMX"):
+        KVStoreTier(spec(dtype="fp8"), memoryview(primary), "KVStoreTier", kvstore_config={})
+    with pytest.raises(ConfigError, match=r"KVStoreTier cannot store kv_cache_dtype 'int8'"):
+        KVStoreTier(spec(dtype="int8"), memoryview(primary), "KVStoreTier", kvstore_config={})
 
 
 def test_a_closed_store_fails_jobs_and_misses_lookups_without_raising(tier):

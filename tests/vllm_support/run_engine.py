@@ -12,11 +12,21 @@ tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other
 requests saving the same chunks in one step), ``salted`` for the same prompt under another
 tenant's ``cache_salt``,
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
-process ``--freeze-pid`` (a server that stops answering). The engine runs
-in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the connectors' counters can be read.
-With ``--tensor-parallel-size 2`` the two workers are processes of their own, pinned one per core
-(``VLLM_CPU_OMP_THREADS_BIND=0|1``, which vLLM's CPU build needs for tensor parallelism); their
-connectors are reached with ``collective_rpc``.
+process ``--freeze-pid`` (a server that stops answering).
+
+``--processes`` lays the engine out:
+
+- ``default``: vLLM's default multiprocessing, as users run it: the engine core (scheduler) in a
+  process of its own and each worker in another (on vLLM's CPU build even at TP=1);
+- ``workers``: the engine core in this process, each worker in a process of its own (vLLM's
+  multiprocessing executor): for kvstore the same split as the default (scheduler and workers
+  apart; nothing of kvstore runs in vLLM's front-end process), ~7 s less to start and stop;
+- ``one``: the engine core and, at TP=1, the worker in this process.
+
+TP=2 pins one worker per core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). The connector's counters are
+read in the workers (``worker_extension_cls``: tests/vllm_support/probe.py); the scheduler's come
+to them with each step's metadata. The tier's counters live in vLLM's scheduler: a tier engine
+whose counters are read runs its engine core in this process (``workers`` or ``one``).
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ from typing import Any
 
 from prompts import prompt
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+# vLLM's processes import probe.py and cpu_offload_spec.py from here.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SUPPORT, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -40,6 +52,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # loaded), so a busy machine never turns an expected load into a recompute; a test's own
 # kvstore_config may pin another.
 os.environ.setdefault("KVSTORE_PLANNER__PREFILL_TOKENS_PER_S", "1")
+
+
+def is_mla(model: str) -> bool:
+    """Whether the model at ``model`` is a DeepSeek-style MLA model (its config has a latent rank)."""
+    with open(os.path.join(model, "config.json")) as f:
+        return bool(json.load(f).get("kv_lora_rank"))
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -59,9 +77,12 @@ def build_llm(args: argparse.Namespace) -> Any:
         transfer = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
+    backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    executor = {"distributed_executor_backend": "mp"} if args.processes == "workers" else {}
+    probe = {"worker_extension_cls": "probe.KVStoreProbe"} if args.mode == "connector" else {}
     return LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=4096,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -71,6 +92,9 @@ def build_llm(args: argparse.Namespace) -> Any:
         pipeline_parallel_size=args.pipeline_parallel_size,
         max_num_batched_tokens=args.max_batched_tokens,
         kv_transfer_config=transfer,
+        **backend,
+        **executor,
+        **probe,
     )
 
 
@@ -84,47 +108,26 @@ def kvstore_tier(llm: Any) -> Any:
     return next(tier for tier in manager.secondary_tiers if type(tier).__name__ == "KVStoreTier")
 
 
-def worker_connector_stats(worker: Any = None) -> dict[str, Any]:
-    """The worker-side connector's counters and its store's (run in each worker by collective_rpc)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group().stats()
-
-
-def flush_worker_store(worker: Any = None) -> None:
-    """Wait until the worker's kvstore has written everything to every tier (the rank holding a store)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    store = get_kv_transfer_group().store
-    if store is not None:
-        store.flush(timeout=60)
-
-
-def on_workers(llm: Any, function: Any) -> list[Any]:
-    """``function`` run in every worker: in this process without tensor parallelism, else in each TP worker."""
-    if llm.llm_engine.vllm_config.parallel_config.world_size == 1:
-        return [function()]
-    return llm.collective_rpc(function)
-
-
-def report_stats(llm: Any, mode: str) -> dict[str, Any]:
+def report_stats(llm: Any, mode: str, in_process: bool) -> dict[str, Any]:
+    """kvstore's counters: the first worker's (its store's, the scheduler's), every rank's; the tier's in-process."""
     if mode == "tier":
-        return kvstore_tier(llm).stats()
-    ranks = on_workers(llm, worker_connector_stats)
+        return kvstore_tier(llm).stats() if in_process else {}
+    ranks = llm.collective_rpc("kvstore_stats")
     stats = dict(ranks[0])  # the first rank holds the store; the others report their own counters
     stats["ranks"] = [rank["connector"] for rank in ranks]
-    stats["scheduler"] = dict(scheduler_connector(llm).counters)
     return stats
 
 
-def flush(llm: Any, mode: str) -> None:
+def flush(llm: Any, mode: str, in_process: bool) -> None:
     """Wait until kvstore's writes have reached every tier (the tier: once vLLM has cascaded to it)."""
     if mode == "connector":
-        on_workers(llm, flush_worker_store)
-        return
-    tier = kvstore_tier(llm)
-    tier.drain_jobs()
-    tier.store.flush(timeout=60)
+        llm.collective_rpc("kvstore_flush")
+    elif in_process:
+        tier = kvstore_tier(llm)
+        tier.drain_jobs()
+        tier.store.flush(timeout=60)
+    else:
+        raise SystemExit("flush in tier mode needs the engine core here (--processes workers or one)")
 
 
 def main() -> None:
@@ -143,8 +146,16 @@ def main() -> None:
     # Workers in processes of their own; on vLLM's CPU build pin them: VLLM_CPU_OMP_THREADS_BIND="0|1".
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA: vLLM's portable MLA kernels")
+    parser.add_argument("--processes", choices=["default", "workers", "one"], default="default")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    in_process = args.processes != "default"  # the engine core (vLLM's scheduler) in this process
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if os.environ.get("TEST_VLLM_CPU_KERNELS") == "portable" and not args.attention_backend and is_mla(args.model):
+        args.attention_backend = "CPU_MLA"  # what vLLM runs on a CPU without AMX
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -164,7 +175,7 @@ def main() -> None:
         if step == "reset":
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         elif step == "flush":
-            flush(llm, args.mode)
+            flush(llm, args.mode, in_process)
         elif step == "freeze":
             os.kill(args.freeze_pid, signal.SIGSTOP)
         elif step in prompts or step == "pair":
@@ -182,17 +193,12 @@ def main() -> None:
             )
         else:
             raise SystemExit(f"unknown step {step!r}")
-    # With VLLM_ENABLE_V1_MULTIPROCESSING=1 the engine (and kvstore) live in other processes.
-    in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    report["stats"] = report_stats(llm, args.mode) if in_process else {}
-    if in_process and args.mode == "connector":  # where the prompt's chunks are: the keys of the gen step
-        connector = scheduler_connector(llm)
-        report["namespace"] = connector.namespace
-        report["kv_cache_groups"] = [{"layers": list(g.layers), "window": g.window} for g in connector.groups]
-        report["keys"] = connector.store.chunk_keys(prompt(args.prompt_seed, args.prompt_tokens))
-        unsalted = {step: p for step, p in prompts.items() if step != "salted"}
-        keys_of = connector.store.chunk_keys
-        report["prompt_keys"] = {step: keys_of(list(p["prompt_token_ids"])) for step, p in unsalted.items()}
+    report["stats"] = report_stats(llm, args.mode, in_process)
+    if args.mode == "connector":  # where the prompts' chunks are, from the first worker
+        unsalted = {step: list(p["prompt_token_ids"]) for step, p in prompts.items() if step != "salted"}
+        identity = llm.collective_rpc("kvstore_identity", args=(unsalted,))[0]
+        report.update(identity)
+        report["keys"] = identity["prompt_keys"]["gen"]
     with open(args.out, "w") as f:
         json.dump(report, f, default=str)
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None

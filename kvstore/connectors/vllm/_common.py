@@ -22,16 +22,19 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvstore.config import StoreConfig
-from kvstore.connectors.identity import default_namespace
+from kvstore.connectors.identity import default_namespace, weights_fingerprint
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, dtype_from_name
 
 log = logging.getLogger("kvstore.connectors.vllm")
 
@@ -87,26 +90,126 @@ def read_options(
 def vllm_settings(model_config: Any, kv_cache_dtype: str) -> dict[str, Any]:
     """What besides the checkpoint's files changes the KV in vLLM (not max_model_len, which does not).
 
-    Read from vLLM's ``ModelConfig``; equal on the scheduler and worker sides of one engine.
+    Only what the user set (or vLLM resolved from it before any process was started) is read
+    from vLLM's ``ModelConfig``, never the live ``hf_config``: vLLM's model code rewrites the
+    loaded config in the process that builds the model (DeepseekV2 renames the rope type "yarn"
+    to "deepseek_yarn"), so a namespace hashing it differs between a worker, which loaded the
+    model, and a scheduler in another process, which did not: the worker would store chunks
+    where the scheduler never looks. The config as it is on disk (``config.json``) is hashed
+    with the weights; ``hf_overrides`` carries what the user changed in it.
     """
-    hf_config = getattr(model_config, "hf_config", None)
     overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):  # a function's repr carries its address: name it instead
         overrides = f"{overrides.__module__}.{overrides.__qualname__}"
-    return {
+    settings: dict[str, Any] = {
         "dtype": str(model_config.dtype),
         "quantization": model_config.quantization,
         "hf_overrides": overrides,
-        "rope_scaling": getattr(hf_config, "rope_scaling", None),
-        "rope_parameters": getattr(hf_config, "rope_parameters", None),
         "kv_cache_dtype": kv_cache_dtype,
     }
+    config_path = getattr(model_config, "hf_config_path", None)
+    if config_path:  # a config.json apart from the weights (--hf-config-path): hashed like the checkpoint's
+        settings["hf_config_path"] = str(config_path)
+        if os.path.exists(config_path):
+            settings["hf_config"] = weights_fingerprint(config_path)
+    return settings
 
 
 def vllm_namespace(prefix: str, model_config: Any, kv_cache_dtype: str) -> str:
-    """The default namespace of a vLLM integration: ``<prefix>:<model>#id=<weights and settings>``."""
+    """The default namespace of a vLLM integration: ``<prefix>:<model>#id=<weights and settings>``.
+
+    Equal in every process of one engine (scheduler, workers of every rank), as long as they
+    see the same checkpoint files: see :func:`vllm_settings`.
+    """
     settings = vllm_settings(model_config, kv_cache_dtype)
     return default_namespace(prefix, model_config.model, settings, model_config.revision)
+
+
+# vLLM's fp8 KV cache dtypes, whose values kvstore stores as they are (one byte each; vLLM keeps
+# them as uint8). "fp8" and "fp8_e4m3" are the platform's e4m3 (``float8_e4m3fn``; the ``fnuz``
+# variant on AMD MI300), "fp8_e5m2" is e5m2. Their per-layer scales (k_scale, v_scale) come from
+# the checkpoint (1.0 without calibrated ones), so the namespace, which hashes the checkpoint
+# and the KV cache dtype, names them too.
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_values_dtype(
+    who: str, cache_dtype: str, model_dtype: Any, mla: bool = False, skipped_layers: Collection[str] = ()
+) -> torch.dtype:
+    """The dtype of the values an engine keeps in its KV cache; ConfigError for what ``who`` cannot store.
+
+    ``"auto"``: the model's dtype. fp8 (:data:`FP8_KV_DTYPES`): stored byte for byte, on
+    platforms whose vLLM kernels run it (on a CPU: x86 with AVX-512 or AMX), for every layer
+    (``skipped_layers``: vLLM's ``kv_cache_dtype_skip_layers``, which keep the model's dtype, are
+    refused) and, with ``mla``, refused (fp8 latents are not verified). Anything else (int8,
+    per-token-head scales packed into blocks, fp8 MLA formats) is refused, naming what works.
+    """
+    if cache_dtype == "auto":
+        return dtype_from_name(str(model_dtype))
+    if cache_dtype not in FP8_KV_DTYPES:
+        raise ConfigError(
+            f"{who} cannot store kv_cache_dtype {cache_dtype!r}: it stores KV caches of the model's dtype "
+            f"('auto') and fp8 ones ({', '.join(FP8_KV_DTYPES)}). Use one of those; to shrink what kvstore "
+            "keeps of an 'auto' cache, give its tiers an fp8 codec (e.g. {'disk': {'codec': 'fp8+zstd', "
+            "'allow_lossy': true}})"
+        )
+    if mla or skipped_layers:
+        what = (
+            "an MLA model's fp8 latents" if mla else f"fp8 KV with kv_cache_dtype_skip_layers {sorted(skipped_layers)}"
+        )
+        raise ConfigError(
+            f"{who} cannot store {what} (not verified against a running engine); use kv_cache_dtype 'auto', "
+            "and to shrink what kvstore keeps, an fp8 codec on its tiers (e.g. {'disk': {'codec': 'fp8+zstd', "
+            "'allow_lossy': true}})"
+        )
+    _require_fp8_kv_kernels(who, cache_dtype)
+    if cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    from vllm.platforms import current_platform
+
+    return current_platform.fp8_dtype()
+
+
+def _require_fp8_kv_kernels(who: str, cache_dtype: str) -> None:
+    """On vLLM's CPU platform, fp8 KV runs only on x86 with AVX-512 or AMX: refuse at start elsewhere.
+
+    vLLM itself fails later there, building its first attention metadata ("FP8 KV cache on CPU
+    requires x86 with AVX-512 or AMX"); kvstore says so before any request is taken.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported():
+        return
+    raise ConfigError(
+        f"{who}: kv_cache_dtype {cache_dtype!r} needs, on a CPU, x86 with AVX-512 or AMX (vLLM's CPU fp8 "
+        "KV kernels); this CPU has neither (no avx512f or amx_tile in /proc/cpuinfo). Use kv_cache_dtype "
+        "'auto' here; to shrink what kvstore keeps, give its tiers an fp8 codec (e.g. {'disk': {'codec': "
+        "'fp8+zstd', 'allow_lossy': true}})"
+    )
+
+
+def refuse_split_layers_or_tokens(who: str, pipeline: int, prefill_context: int, decode_context: int) -> None:
+    """ConfigError, naming the alternative, for parallelism under which no worker holds whole chunks.
+
+    A chunk holds every layer and every token of its 256: under pipeline parallelism a stage
+    holds only its layers, under (prefill or decode) context parallelism a worker only some
+    tokens of each block. Both integrations refuse them alike, at engine start.
+    """
+    if pipeline > 1:
+        raise ConfigError(
+            f"{who} cannot store KV under pipeline parallelism (pipeline_parallel_size={pipeline}): each "
+            "stage's workers hold only their own layers, so no worker has a whole chunk; use "
+            "pipeline_parallel_size 1, and tensor parallelism (tensor_parallel_size) to spread a model too "
+            "large for one device"
+        )
+    if prefill_context > 1 or decode_context > 1:
+        raise ConfigError(
+            f"{who} cannot store KV under context parallelism (prefill_context_parallel_size={prefill_context}, "
+            f"decode_context_parallel_size={decode_context}): each worker holds only some tokens of a block; "
+            "use tensor parallelism (tensor_parallel_size) instead"
+        )
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: int) -> int:

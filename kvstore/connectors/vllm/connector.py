@@ -49,10 +49,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvstore.connectors.attention_groups import loaded_blocks, saved_blocks
-from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer, paged_format
+from kvstore.connectors.identity import require_one_namespace
+from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer
 from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
 from kvstore.connectors.vllm.engine_config import (
     attention_groups,
+    engine_layer,
     expected_paged_format,
     layout_for_vllm,
     request_extra,
@@ -176,6 +178,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         timed = self.store is not None and not vllm_config.scheduler_config.async_scheduling
         self._prefill_clock = PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens)
         # worker side
+        self._scheduler_counters: dict[str, int] = {}  # as of the last step's metadata
+        self._identity_checked = False  # the scheduler's identity is checked against ours once, at the first step
+        self.attention = ""  # the attention backend (and CPU kernels) of the registered layers
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
         # key -> (block ids of each group, chunk)
@@ -346,6 +351,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             state.next_save = max(state.next_save, done)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
+        meta.scheduler_counters = dict(self.counters)
+        meta.identity = self.identity()
         return meta
 
     def _saved_runs(self, state: _Request, chunk: int, computed_tokens: int) -> list[BlockRun] | None:
@@ -410,18 +417,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         forward_context = self._vllm_config.compilation_config.static_forward_context
         for index, name in enumerate(names):
             attention = forward_context[name]
-            backend, isa = attention.attn_backend.get_name(), getattr(attention, "isa", None)
-            fmt = paged_format(backend, isa)
-            if fmt != self.paged_format or (fmt == "opaque" and f"{backend}/{isa}" != self.kernels):
-                raise ConfigError(
-                    f"layer {name} uses attention backend {backend} (kernels {isa}), whose blocks kvstore reads as "
-                    f"{fmt!r}; the scheduler expected {self.paged_format!r} ({self.kernels}). Please report this "
-                    "with your vLLM version and --attention-backend"
-                )
-            kv = kv_caches[name]
-            if kv.dtype != layout.dtype:
-                raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
-            layer = PagedLayer(kv, fmt, layout.head_dim)
+            layer, kernels = engine_layer(name, attention, kv_caches[name], layout, self.paged_format, self.kernels)
+            self.attention = self.attention or kernels  # what a report names: the first layer's backend and kernels
             heads = self.ranks.head_count(layout.num_kv_heads)  # this rank's share of the model's heads
             block_size = self.groups[self._layer_groups[index]].block_size
             if layer.heads != heads or layer.block_size != block_size:
@@ -433,9 +430,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers.append(layer)
             self._layer_index[name] = index
 
+    def identity(self) -> str:
+        """Where this side files chunks: its namespace and layout (with the layout's fingerprint)."""
+        return f"{self.namespace} [{self.layout.describe()}, {self.layout.fingerprint.hex()[:16]}]"
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        self._scheduler_counters = meta.scheduler_counters
+        if not self._identity_checked:  # the first step, before any chunk is loaded or saved
+            require_one_namespace((f"worker rank {self.ranks.rank}", self.identity()), {"the scheduler": meta.identity})
+            self._identity_checked = True
+            log.info("kvstore: worker rank %d keys chunks as the scheduler does: %s", self.ranks.rank, meta.identity)
         for spec in meta.loads:
             if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
                 self._whole_loads.start(spec)
@@ -525,9 +531,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # -- both sides --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """This connector's counters, and the store's (``store.stats()``)."""
+        """This connector's counters, the store's (``store.stats()``) and, on a worker, the scheduler's.
+
+        The scheduler's (``hit_tokens``, ``recomputed_chunks``, ``unsaveable_chunks``, ...) come
+        with each step's metadata, so any worker reports them, wherever the scheduler runs.
+        """
         store = self.store.stats() if self.store is not None else {}  # TP ranks after the first hold none
-        return {"connector": dict(self.counters), **store}
+        stats: dict[str, Any] = {"connector": dict(self.counters), **store}
+        if self._scheduler_counters:  # a worker: the scheduler's counters, as of the last step
+            stats["scheduler"] = dict(self._scheduler_counters)
+        return stats
 
     def shutdown(self) -> None:
         self._layer_loads.close()

