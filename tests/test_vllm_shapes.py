@@ -85,12 +85,19 @@ def test_connector_reuses_a_cache_across_tensor_parallel_degrees(vllm_python, ti
 # -- MLA ------------------------------------------------------------------------------------------
 # vLLM's CPU backend runs MLA with its AMX kernels (AMX_MLA: bfloat16 weights, blocks of 128) where
 # the CPU has AMX, else with its portable ones (CPU_MLA: any dtype, blocks of 16). Each test runs
-# both: the engine's own choice on this CPU, in bfloat16, and the portable kernels, chosen with
-# vLLM's documented --attention-backend CPU_MLA, in float32.
+# both: the engine's own choice on this CPU (in bfloat16 where that is AMX_MLA, which takes no
+# other dtype; else in float32), and the portable kernels, chosen with vLLM's documented
+# --attention-backend CPU_MLA, in float32. (CPU_MLA in bfloat16 continues a loaded prefix through
+# a path whose rounding differs from a recompute's: see warn_of_another_compute_path.)
 KERNELS = {  # (dtype, attention backend): None lets vLLM choose
-    "engine_choice": ("bfloat16", None),
+    "engine_choice": (None, None),
     "portable": ("float32", "CPU_MLA"),
 }
+
+
+def mla_dtype(kernels: str, vllm_cpu: dict[str, bool]) -> str:
+    """The test model's dtype for these kernels on this CPU: bfloat16 where the engine picks AMX_MLA."""
+    return KERNELS[kernels][0] or ("bfloat16" if vllm_cpu["amx"] else "float32")
 
 
 @pytest.mark.parametrize("kernels", list(KERNELS))
@@ -99,7 +106,7 @@ def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, vllm_c
     of one head, in blocks of the size vLLM picked for the backend it picked; pipeline and context
     parallelism, fp8 MLA caches and sparse MLA are refused, naming the limit and what to do; fp8
     KV is refused on a CPU without AVX-512 or AMX (simulated) and stored as fp8 values elsewhere."""
-    dtype, backend = KERNELS[kernels]
+    dtype, backend = mla_dtype(kernels, vllm_cpu), KERNELS[kernels][1]
     result = subprocess.run(
         [str(vllm_python), str(SUPPORT / "layout_check.py"), str(tiny_mla), dtype, *([backend] if backend else [])],
         capture_output=True, text=True, timeout=ENGINE_TIMEOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT,
@@ -133,8 +140,9 @@ def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, v
     plane per layer; a fresh engine loads it from disk and generates what the first computed.
     Both engines run in vLLM's default multiprocessing, as users run it: the scheduler and the
     workers are processes of their own, and vLLM's model code rewrites the rope type in the
-    workers only: one namespace on both sides or nothing loads. The engine's kernels at TP=2, the
-    portable ones at TP=1.
+    workers only: one namespace on both sides or nothing loads. The engine's kernels at TP=1 (a
+    worker process of its own all the same), the portable ones at TP=2 (float32 at TP=2 is what
+    every x86 CPU of this kind has run; bfloat16 at TP=2 was not run on one without AVX-512).
 
     The stored latent is checked against the model's own: layer 0's compressed KV (the first
     ``kv_lora_rank`` values of a token's latent) is the normalized down-projection of the
@@ -143,8 +151,8 @@ def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, v
     from kvstore import KVLayout
     from tests.vllm_support.mla_reference import layer0_compressed_kv
 
-    dtype, backend = KERNELS[kernels]
-    tp = 2 if kernels == "engine_choice" else 1
+    dtype, backend = mla_dtype(kernels, vllm_cpu), KERNELS[kernels][1]
+    tp = 1 if kernels == "engine_choice" else 2
     choice = ("--attention-backend", backend) if backend else ()
     options = ("--dtype", dtype, "--tensor-parallel-size", str(tp), *choice)
     env = TP2_ENV if tp > 1 else None

@@ -54,13 +54,17 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_cpu(vllm_python: Path) -> dict[str, bool]:
-    """What vLLM's CPU backend can run here, as it decides: AMX kernels (``amx``), fp8 KV (AVX-512 or AMX)."""
+    """What vLLM's CPU backend runs here, as it decides: AMX kernels (``amx``; not where
+    ``TEST_VLLM_CPU_KERNELS=portable`` forces the portable ones), fp8 KV (AVX-512 or AMX)."""
     probe = (
         "import json, torch; amx = torch.cpu._is_amx_tile_supported(); "
         "print(json.dumps({'amx': amx, 'fp8_kv': amx or torch.cpu._is_avx512_supported()}))"
     )
     result = subprocess.run([str(vllm_python), "-c", probe], check=True, capture_output=True, text=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    if os.environ.get("TEST_VLLM_CPU_KERNELS") == "portable":  # the engines are told not to use them
+        found["amx"] = False
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,7 @@ from kvstore.connectors.vllm.engine_config import (
     expected_paged_format,
     layout_for_vllm,
     request_extra,
+    warn_of_another_compute_path,
 )
 from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
@@ -429,6 +430,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             self._layers.append(layer)
             self._layer_index[name] = index
+        warn_of_another_compute_path(self.attention, layout.dtype)
 
     def identity(self) -> str:
         """Where this side files chunks: its namespace and layout (with the layout's fingerprint)."""

@@ -6,6 +6,7 @@ machine) so that each stays short; both sides of the connector call these at sta
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +16,8 @@ from kvstore.connectors.paged import PagedFormat, PagedLayer, paged_format
 from kvstore.connectors.vllm._common import kv_values_dtype, refuse_split_layers_or_tokens
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
+
+log = logging.getLogger("kvstore.connectors.vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,6 +120,26 @@ def engine_layer(
     if kv.dtype != layout.dtype:
         raise ConfigError(f"layer {name}'s KV cache is {kv.dtype}, expected {layout.dtype}")
     return PagedLayer(kv, fmt, layout.head_dim), backend + (f"/{isa}" if isa else "")
+
+
+def warn_of_another_compute_path(kernels: str, dtype: torch.dtype) -> None:
+    """Log once where a loaded prefix is exact but the engine computes on from it another way.
+
+    vLLM's portable CPU MLA kernels (``CPU_MLA``) run with prefix caching and chunked prefill
+    off: vLLM itself never computes a prompt's rest from cached latents there. A prefix kvstore
+    loads (byte for byte) is continued through vLLM's prefill-with-context path, whose rounding
+    in 16-bit dtypes differs from one whole prefill: greedy tokens can differ from a recompute's
+    (seen in bfloat16 on a tiny model; float32 gave identical tokens).
+    """
+    if kernels == "CPU_MLA" and dtype.itemsize < 4:
+        log.warning(
+            "kvstore: vLLM's CPU_MLA kernels in %s: loaded prefixes are exact, but vLLM continues them through "
+            "a prefill-with-context path it never uses itself here (its prefix cache is off on CPU MLA), whose "
+            "%s rounding differs from one whole prefill: outputs can differ from a recompute's. float32 (or the "
+            "AMX kernels, AMX_MLA, on a CPU with AMX) continues them as a recompute would",
+            dtype,
+            dtype,
+        )
 
 
 def request_extra(request: Request) -> bytes | None:
