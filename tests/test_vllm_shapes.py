@@ -103,7 +103,7 @@ def mla_dtype(kernels: str, vllm_cpu: dict[str, bool]) -> str:
 @pytest.mark.parametrize("kernels", list(KERNELS))
 def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, vllm_cpu, tiny_mla, kernels):
     """From vLLM's own configuration, without an engine: an MLA model's chunk is one latent plane
-    of one head, in blocks of the size vLLM picked for the backend it picked; pipeline and context
+    of one head, in whole blocks of the size vLLM picked (read, not assumed: it differs by CPU); pipeline and context
     parallelism, fp8 MLA caches and sparse MLA are refused, naming the limit and what to do; fp8
     KV is refused on a CPU without AVX-512 or AMX (simulated) and stored as fp8 values elsewhere."""
     dtype, backend = mla_dtype(kernels, vllm_cpu), KERNELS[kernels][1]
@@ -115,10 +115,9 @@ def test_layout_for_vllm_of_an_mla_model_and_what_it_refuses(vllm_python, vllm_c
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["layout"] == [2, 1, 1, 512 + 64]  # layers, planes, heads, kv_lora_rank + qk_rope_head_dim
     assert report["format"] == "mla_latent"
-    if report["backend"] == "AMXMLABackend":  # vLLM's choice on a CPU with AMX
-        assert kernels == "engine_choice" and report["block_size"] % 32 == 0
-    else:
-        assert report["backend"] == "CPUMLABackend" and report["block_size"] == 16
+    assert 256 % report["block_size"] == 0  # a chunk is whole blocks of the size vLLM picked, whatever it is
+    if backend:  # the kernels this test asked for are the ones the engine would run
+        assert report["backend"] == f"{backend.replace('_', '')}Backend"
     assert "pipeline parallelism (pipeline_parallel_size=2)" in report["pipeline"]
     assert "use pipeline_parallel_size 1" in report["pipeline"]
     assert "context parallelism (prefill_context_parallel_size=1, decode_context_parallel_size=2)" in report["context"]
@@ -168,9 +167,9 @@ def test_connector_mla_a_fresh_engine_loads_the_latents_from_disk(vllm_python, v
     fresh = run_engine(vllm_python, tiny_mla, tmp_path, extra, "gen", env, options=options, processes="default")
     run, stats = fresh["runs"][0], fresh["stats"]
     print(f"MLA ({fresh['attention']}, blocks of {fresh['block_size']}) fresh engine stats", json.dumps(stats))
-    assert fresh["attention"] in ("CPU_MLA", "AMX_MLA")  # the portable kernels, or AMX's (where the CPU has AMX)
-    assert (fresh["block_size"] == 16) if fresh["attention"] == "CPU_MLA" else (fresh["block_size"] % 32 == 0)
-    assert fresh["attention"] == "CPU_MLA" or (kernels == "engine_choice" and vllm_cpu["amx"])
+    assert 256 % fresh["block_size"] == 0  # read from the engine: vLLM picks it with its kernels, by CPU
+    if backend:  # the kernels this test asked for are the ones the engine ran
+        assert fresh["attention"] == backend
     assert run["tokens"] == computed["tokens"]
     assert run["cached_tokens"] == REUSABLE_CHUNKS * 256
     assert [rank["loaded_tokens"] for rank in stats["ranks"]] == [REUSABLE_CHUNKS * 256] * tp
