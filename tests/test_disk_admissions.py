@@ -157,7 +157,7 @@ async def test_no_admission_starts_once_the_store_is_closing(tmp_path: Path) -> 
     async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
         loader = store._loader
         loader.cancel_admissions()  # what close() does first
-        loader._admit(0, keys[0], 1.0)  # a get_many that was still reading when close began
+        loader.admit(0, keys[0], 1.0)  # a get_many that was still reading when close began
         assert not loader._admissions
         await store.flush()
         assert not store.pool.contains(keys[0])

@@ -25,6 +25,7 @@ from kvstore.util.units import GB, MB, MiB, per_second
 if TYPE_CHECKING:  # devtools sit below the CLI; imported for real inside the command (see the docstring)
     from kvstore.devtools.bench import CodecRow, Row
     from kvstore.devtools.bench_prefetch import OverlapRow
+    from kvstore.devtools.bench_ttft import TTFTRow
 
 RATE_UNITS = {"GB/s": (GB, 2), "MB/s": (MB, 0)}  # unit: (bytes per unit, decimals shown)
 
@@ -52,6 +53,17 @@ def bench(
         typer.Option(help="what each codec does to a real model's answers: smollm2 (minutes; --no-local to run alone)"),
     ] = "",
     prompts: Annotated[int, typer.Option(min=1, help="prompts of real text for --accuracy")] = 20,
+    device: Annotated[
+        str,
+        typer.Option(
+            help="the paths into an engine's memory on this device (cpu or cuda): put, get_many and layer streams "
+            "against raw copies; on cuda also HFConnector's time to first token (random-weight Llama 1B and 8B)"
+        ),
+    ] = "",
+    gpu: Annotated[bool, typer.Option("--gpu", help="the same as --device cuda")] = False,
+    ttft_cases: Annotated[
+        str, typer.Option(help="with --device: model:prompt pairs for the TTFT table, e.g. 8B:8192,8B:32768")
+    ] = "",
     accuracy_codecs: Annotated[
         str,
         typer.Option(help="comma-separated codecs for --accuracy (default: every built-in and lossy codec registered)"),
@@ -68,6 +80,8 @@ def bench(
         _bench_prefetch(prefetch, repeats)
     if accuracy:
         _bench_accuracy(prompts, accuracy_names)
+    if gpu or device:
+        _bench_device("cuda" if gpu else device, repeats, directory, ttft_cases)
 
 
 # -- tables -------------------------------------------------------------------------------------
@@ -223,6 +237,49 @@ def _bench_prefetch(tiers: str, repeats: int) -> None:
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     console.print(overlap_table(p.run_overlap(names, repeats=repeats), p.TARGET))
+
+
+def _bench_device(device: str, repeats: int, directory: Path | None, cases: str) -> None:
+    """Loads and saves between the store and ``device`` memory; on a GPU (or with ``cases``) the TTFT table too."""
+    import torch
+
+    from kvstore.devtools import bench_device as d
+    from kvstore.devtools import bench_ttft as t
+
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {device!r}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise fail("--device cuda: torch.cuda.is_available() is False here (no GPU, or a CPU-only torch)", EXIT_ERRORS)
+    try:
+        chosen = t.parse_cases(cases) if cases else (t.CASES if device == "cuda" else ())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    card = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    rows = asyncio.run(d.bench_paths(device, repeats=repeats, directory=directory))
+    title = f"kvstore bench --device {device} ({card}): 16 Llama-3-8B chunks (512 MiB) per row, best of {repeats}"
+    console.print(ratio_table(title, rows, "GB/s"))
+    if chosen:
+        console.print(ttft_table(t.bench_ttft(chosen, device, repeats, directory), card))
+
+
+def ttft_table(rows: Sequence[TTFTRow], card: str) -> Table:
+    """HFConnector's time to first token beside recompute and a hit in a cache already on the device."""
+    columns = ("model", "prompt", "recompute", "GPU cache hit", "kvstore DRAM", "kvstore disk", "first + save")
+    table = make_table(f"HFConnector time to first token on {card} (random-weight Llama, bf16, SDPA)", columns)
+    for row in rows:
+        def ms(seconds: float) -> str:
+            return f"{seconds * 1e3:.0f} ms"
+
+        table.add_row(
+            row.model,
+            f"{row.prompt // 1024}K",
+            ms(row.recompute),
+            ms(row.gpu_hit),
+            f"{ms(row.dram)} ({row.recompute / row.dram:.1f}x; {row.loaded_dram}/{row.chunks} loaded)",
+            f"{ms(row.disk)} ({row.recompute / row.disk:.1f}x; {row.loaded_disk}/{row.chunks} loaded)",
+            f"{ms(row.first_with_save)} ({row.first_with_save / row.recompute:.2f}x recompute)",
+        )
+    return table
 
 
 def _accuracy_codecs(model: str, codecs: str) -> list[str]:

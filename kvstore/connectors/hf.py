@@ -79,6 +79,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvstore.connectors.hf")
+SAVE_GROUP_BYTES = 256 * 2**20  # a GPU model's save assembles its chunks on the device this many bytes at a time
 
 
 def layout_for_model(model: Any, *, dtype: torch.dtype | None = None, chunk_tokens: int = 256) -> KVLayout:
@@ -141,7 +142,7 @@ class HFConnector:
         timeouts = store.store.config.timeouts
         # A layer waits at most for the tiers' header reads plus its own read, each bounded.
         self.wait_timeout = (len(store.store.tiers) + 2) * timeouts.get
-        self._staging: torch.Tensor | None = None  # one chunk, reused by every save
+        self._staging: torch.Tensor | None = None  # a CPU model's saves: one chunk, reused by every save
         self.counters: dict[str, float] = {
             "requests": 0,
             "prompt_tokens": 0,
@@ -155,6 +156,7 @@ class HFConnector:
             "load_wait_seconds": 0.0,
         }
         self.last_plan: LoadPlan | None = None  # the plan of the latest request's prefix
+        self._prefills: list[_ForwardTiming] = []  # prefills timed, not yet given to the planner
 
     # -- the parts of a request ------------------------------------------------------------------
 
@@ -170,6 +172,7 @@ class HFConnector:
         DRAM and the disk).
         """
         tokens = _prompt_tokens(input_ids)
+        self._observe_prefills()  # a GPU's last prefill, timed by now
         keys = self.store.chunk_keys(tokens, self.extra)
         plan = self.store.plan(keys) if keys else LoadPlan((), 0, 0.0, 0.0)
         self.last_plan = plan
@@ -187,10 +190,7 @@ class HFConnector:
         The other tiers' chunks (DRAM's, a faster tier's) are taken at their expected time.
         """
         planner, chunk = self.store.store.planner, self.layout.chunk_nbytes
-        counts = Counter(plan.tiers[: plan.load])
-        counts.pop(DRAM, None)
-        if not counts:
-            return  # all from DRAM: a copy, not a tier read
+        counts = Counter(plan.tiers[: plan.load])  # DRAM too: its rate is that of the path this model loads through
         expected = {tier: planner.estimate(tier).seconds(n * chunk) for tier, n in counts.items()}
         slowest = max(expected, key=expected.__getitem__)
         others = sum(expected.values()) - expected[slowest]
@@ -225,20 +225,43 @@ class HFConnector:
             # it are not saved either: the stored prefix would still end here, so they would never be found.
             self.counters["save_incomplete"] += last - first
             last = first
-        if self._staging is None:
-            self._staging = torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
-        staging, saved = self._staging, 0
-        for index in range(first, last):
-            for layer_index, (layer, held_from) in enumerate(zip(cache.layers, starts, strict=True)):
-                span = slice(index * size - held_from, (index + 1) * size - held_from)
-                staging[layer_index, 0].copy_(layer.keys[0, :, span].transpose(0, 1))
-                staging[layer_index, 1].copy_(layer.values[0, :, span].transpose(0, 1))
-            if self.store.put(keys[index], staging):  # copies into DRAM before it returns
-                saved += 1
-            else:
-                self.counters["save_rejected"] += 1
+        saved = 0
+        group = self._save_group()
+        for begin in range(first, last, group):
+            end = min(begin + group, last)
+            chunks = self._chunks(cache, starts, begin, end)
+            accepted = sum(self.store.put_many(keys[begin:end], list(chunks)))
+            saved += accepted
+            self.counters["save_rejected"] += end - begin - accepted
         self.counters["saved_chunks"] += saved
         return saved
+
+    def _save_group(self) -> int:
+        """Chunks assembled at once for a save: one on the CPU (a reused staging chunk: the store copies it
+        before ``put`` returns), up to SAVE_GROUP_BYTES on a GPU (copied out asynchronously)."""
+        if self.model.device.type == "cpu":
+            return 1
+        return max(1, SAVE_GROUP_BYTES // self.layout.chunk_nbytes)
+
+    def _chunks(self, cache: DynamicCache, starts: list[int | None], begin: int, end: int) -> torch.Tensor:
+        """Chunks ``begin`` to ``end - 1`` of the cache in canonical order, ``[n, layers, 2, tokens, heads, dim]``.
+
+        One copy per layer and plane for all of them, on the model's device (on a GPU, a kernel on its
+        stream: the store's download stream waits for it, then copies each chunk to its DRAM slot).
+        """
+        count, size = end - begin, self.layout.chunk_tokens
+        if self.model.device.type == "cpu":
+            if self._staging is None:
+                self._staging = torch.empty((1, *self.layout.chunk_shape), dtype=self.layout.dtype)
+            chunks = self._staging
+        else:
+            chunks = torch.empty((count, *self.layout.chunk_shape), dtype=self.layout.dtype, device=self.model.device)
+        for layer_index, (layer, held_from) in enumerate(zip(cache.layers, starts, strict=True)):
+            assert held_from is not None
+            span = slice(begin * size - held_from, end * size - held_from)
+            for plane, states in enumerate((layer.keys, layer.values)):  # [1, heads, tokens, dim]
+                chunks[:count, layer_index, plane].copy_(states[0, :, span].unflatten(1, (count, size)).permute(1, 2, 0, 3))
+        return chunks[:count]
 
     # -- a whole request ---------------------------------------------------------------------------
 
@@ -255,8 +278,8 @@ class HFConnector:
             with _first_forward(self.model) as prefill:
                 output = self.model.generate(input_ids, past_key_values=prefix.cache, **generate_kwargs)
             if prefill.tokens >= self.layout.chunk_tokens:  # a real prefill, not a token or two
-                # The forward's time, less what it waited for loaded layers: the engine's prefill rate.
-                self.store.store.planner.observe_prefill(prefill.tokens, prefill.seconds - prefix.waited)
+                prefill.waited = prefix.waited
+                self._prefills.append(prefill)
         except PrefetchError as exc:
             log.warning("cached prefix of %d tokens failed to load (%s); recomputing", prefix.reused_tokens, exc)
             self.counters["fallbacks"] += 1
@@ -273,7 +296,22 @@ class HFConnector:
         self.counters["load_wait_seconds"] += prefix.waited
         if save:
             self._save(prefix.keys, len(tokens), prefix.cache, start_chunk)  # keys hashed once per request
+        self._observe_prefills()
         return output
+
+    def _observe_prefills(self) -> None:
+        """Give the planner the prefills timed so far whose time is known (a GPU's once its events completed).
+
+        The forward's time, less what the host waited for loaded layers: the engine's prefill rate.
+        """
+        waiting = []
+        for prefill in self._prefills:
+            seconds = prefill.seconds()
+            if seconds is None:
+                waiting.append(prefill)
+            else:
+                self.store.store.planner.observe_prefill(prefill.tokens, seconds - prefill.waited)
+        self._prefills = waiting
 
     def stats(self) -> dict[str, Any]:
         """The connector's counters and the store's (per tier)."""
@@ -282,15 +320,33 @@ class HFConnector:
 
 @dataclass
 class _ForwardTiming:
+    """The model's first forward call in a block: its input tokens and how long it ran.
+
+    On a GPU the call returns once its kernels are queued, so it is timed by two CUDA events on the
+    model's stream (``seconds()`` is None until the second has completed: read it later, no host
+    synchronize); on the CPU by the clock.
+    """
+
     tokens: int = 0  # input tokens of the model's first forward call
-    seconds: float = 0.0
+    waited: float = 0.0  # seconds the host spent waiting for loaded layers during it
     started: float | None = None
+    ended: float | None = None
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def seconds(self) -> float | None:
+        if self.events is not None:
+            start, end = self.events
+            return start.elapsed_time(end) / 1000 if end.query() else None
+        if self.started is None or self.ended is None:
+            return None
+        return self.ended - self.started
 
 
 @contextlib.contextmanager
 def _first_forward(model: Any) -> Iterator[_ForwardTiming]:
     """Time the model's first forward call in the block (``generate``'s prefill) and count its tokens."""
     timing = _ForwardTiming()
+    on_gpu = model.device.type == "cuda"
 
     def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if timing.started is None:
@@ -298,10 +354,15 @@ def _first_forward(model: Any) -> Iterator[_ForwardTiming]:
             inputs = inputs if inputs is not None else kwargs.get("inputs_embeds")
             timing.tokens = int(inputs.shape[1]) if inputs is not None and inputs.dim() >= 2 else 0
             timing.started = time.perf_counter()
+            if on_gpu:
+                timing.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                timing.events[0].record()
 
     def after(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if timing.started is not None and not timing.seconds:
-            timing.seconds = time.perf_counter() - timing.started
+        if timing.started is not None and timing.ended is None:
+            timing.ended = time.perf_counter()
+            if timing.events is not None:
+                timing.events[1].record()
 
     hooks = [
         model.register_forward_pre_hook(before, with_kwargs=True),

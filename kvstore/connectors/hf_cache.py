@@ -122,17 +122,21 @@ class LoadedPrefix:
     def start(self, store: SyncKVStore, wait_timeout: float, on_loaded: Callable[[float], None] | None = None) -> None:
         """Start streaming the prefix; every layer of the cache waits for its own part of it.
 
-        When the model keeps its KV on the CPU in the stored dtype, each layer's prefix is
+        When the model keeps its KV in the stored dtype (on the CPU or a GPU), each layer's prefix is
         written straight into the tensor the model will use (prompt-long, in the model's
         ``[1, heads, tokens, dim]`` order): the tokens after the prefix are added in place, no copy.
+        On a GPU the layers cross the bus on the store's copy stream, and the model's stream waits
+        for each layer's copies only when the forward pass reaches it.
         """
         layout: KVLayout = store.store.layout
         shape = (layout.kv_planes, 1, layout.num_kv_heads, self.prompt_tokens, layout.head_dim)
         outs = None
-        if layout.dtype == self.model_dtype and self.model_device.type == "cpu":
+        if layout.dtype == self.model_dtype and self.model_device.type in ("cpu", "cuda"):
             # Plain tensors even under torch.inference_mode(): the store's thread writes them outside it.
             with torch.inference_mode(False):
-                self.buffers = [torch.empty(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+                self.buffers = [
+                    torch.empty(shape, dtype=layout.dtype, device=self.model_device) for _ in range(layout.num_layers)
+                ]
             loaded = self.chunks * layout.chunk_tokens  # <= prompt_tokens
             outs = [buffer[:, 0, :, :loaded].permute(0, 2, 1, 3) for buffer in self.buffers]  # canonical order
         started = time.perf_counter()

@@ -194,7 +194,7 @@ class TierLoader:
                         if ok:
                             del next_tier[i]
                             deliver(i, None)
-                            self._admit(position, keys[i], deadline.seconds)
+                            self.admit(position, keys[i], deadline.seconds)
                         elif position + 1 < len(self.tiers):
                             next_tier[i] = position + 1
                         else:
@@ -265,7 +265,7 @@ class TierLoader:
         finally:
             await close_fences(fences)  # uncontended once the read has ended: no wait
 
-    def _admit(self, position: int, key: ChunkKey, timeout: float) -> None:
+    def admit(self, position: int, key: ChunkKey, timeout: float) -> None:
         """Admit a chunk just read into a caller's buffer to DRAM, in the background (see the module docstring).
 
         At most as many admissions wait as the pool has slots; beyond that one is dropped

@@ -15,10 +15,22 @@ slot reserved for it when the stream opens (the contiguous staging every read ne
 since a chunk's share of a layer is a strided slice of the engine's tensor), and once every
 layer of it has arrived verified, the store publishes the slot and queues it for the faster
 tiers it skipped (``StreamSources.promote``). Nothing of a chunk whose stream failed or closed
-early is promoted. A stream holds its staging slots for its whole life, so across all streams
+early is promoted. The exception: a chunk read from a local tier (disk) into the caller's CPU
+outputs (``outs``) whose planes are contiguous is read straight into them (one vectored read per layer, then its checksum:
+no staging copy), and once the stream has it whole the store admits it to DRAM in the background,
+re-reading the file from the page cache, as ``get_many`` does (``StreamSources.admit``). A stream holds its staging slots for its whole life, so across all streams
 of a store they are at most half the pool (:class:`StagingShare`: the engine's puts keep the
 rest). A chunk with no staging slot is read as without promotion, and its promotion is dropped
 and counted.
+
+Outputs may live on a device (``outs`` CUDA tensors): each layer is then assembled in host memory
+(a chunk's DRAM slot as it is, a chunk read from a tier in its promotion slot) and crosses the bus
+as asynchronous copies on the store's upload stream (:mod:`kvstore.engine.transfer`), while the
+reads of the next layer go on. A layer has *arrived* when its copies are queued; its
+:class:`~kvstore.engine.transfer.Completion` is what the consumer's compute stream waits on
+(``await stream.layer(i)`` and ``SyncLayerStream.wait_layer`` make the caller's current stream wait,
+without blocking the host). The slots a stream copies from stay referenced until its last copy has
+completed, not only until it closes.
 
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
@@ -37,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.engine.dram import SlabPool
+from kvstore.engine.transfer import DONE, Completion, DeviceTransfers
 from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -98,7 +111,12 @@ class StreamSources:
     # drop. Called on the loop, never awaited; the stream keeps its own reference to the slot and
     # releases it.
     promote: Callable[[ChunkKey, ReaderTier, int | None], None] | None = None
+    # A chunk read whole and verified from a local ``tier`` straight into the consumer's memory (no
+    # staging slot): the store admits it to DRAM in the background. Called on the loop, never awaited.
+    admit: Callable[[ChunkKey, ReaderTier], None] | None = None
     staging: StagingShare = field(default_factory=StagingShare)  # shared by every stream of the store
+    transfers: DeviceTransfers = field(default_factory=DeviceTransfers)  # copies into device outputs
+    read_threads: int = 1  # a layer's file reads are spread over this many of the executor's threads
 
 
 class LayerStream:
@@ -121,12 +139,21 @@ class LayerStream:
             for out in outs:
                 if tuple(out.shape) != self.shape or out.dtype != layout.dtype:
                     raise ValueError(f"prefetch outputs must be {layout.dtype} tensors of shape {self.shape}")
+                if out.device != outs[0].device or out.device.type not in ("cpu", "cuda"):
+                    raise ValueError(
+                        f"prefetch outputs must all be on one CPU or CUDA device, got {out.device} and {outs[0].device}"
+                    )
+        self._on_device = outs is not None and len(outs) > 0 and sources.transfers.crosses_bus(outs[0])
         self._sources, self._keys, self._depth, self._outs = sources, list(keys), depth, outs
         loop = asyncio.get_running_loop()
         self._ready: list[asyncio.Future[torch.Tensor]] = [loop.create_future() for _ in range(layout.num_layers)]
         # The same outcomes for engine threads, readable without a hop to the loop (see SyncLayerStream).
         self.arrived = [threading.Event() for _ in range(layout.num_layers)]
         self.outcomes: list[torch.Tensor | BaseException | None] = [None] * layout.num_layers
+        # Per layer, when its copies into device outputs end (DONE on the CPU): what consumers wait on.
+        self.completions: list[Completion] = [DONE] * layout.num_layers
+        self._last_upload = DONE  # the latest layer's: the slots copied from are held until it is done
+        self._scratch: torch.Tensor | None = None  # device staging of one layer (DeviceTransfers.upload_layer)
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
         # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
@@ -137,6 +164,7 @@ class LayerStream:
         self._slots: list[int | None] = []
         self._readers: list[LayerReader | None] = []
         self._staging: list[int | None] = []  # per chunk read from a tier: its DRAM slot for promotion
+        self._direct: list[bool] = []  # per chunk: read from a local tier straight into CPU outputs (then admitted)
         self._task = asyncio.create_task(self._produce(), name="kvstore-prefetch")
 
     @property
@@ -144,11 +172,33 @@ class LayerStream:
         return len(self._ready)
 
     async def layer(self, index: int) -> torch.Tensor:
-        """Layer ``index`` once it has arrived (raises PrefetchError if it cannot)."""
+        """Layer ``index`` once it has arrived (raises PrefetchError if it cannot).
+
+        With device outputs, the calling thread's current stream is made to wait for the layer's
+        copies (the host does not wait): work queued there afterwards sees the layer.
+        """
+        kv = await self._arrived_layer(index)
+        self.completions[index].wait_on_current_stream()
+        return kv
+
+    async def _arrived_layer(self, index: int) -> torch.Tensor:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} out of range for {self.num_layers} layers")
         self.request(index)
         return await asyncio.shield(self._ready[index])
+
+    async def landed(self, index: int) -> None:
+        """Wait until layer ``index`` has arrived and its copies have completed (raises PrefetchError if it cannot).
+
+        For the store's own timing (a load planner measures a whole load this way); no stream waits.
+        """
+        await self._arrived_layer(index)
+        completion = self.completions[index]
+        if not completion.done():
+            loop = asyncio.get_running_loop()
+            finished: asyncio.Future[None] = loop.create_future()
+            self._sources.transfers.after(completion, lambda: finished.done() or finished.set_result(None), loop)
+            await finished
 
     def request(self, index: int) -> None:
         """Let the producer run up to ``index + depth`` (on the loop thread)."""
@@ -212,9 +262,11 @@ class LayerStream:
 
     async def _produce(self) -> None:
         layer = 0
+        ahead: asyncio.Task[torch.Tensor] | None = None  # the next layer's fetch, started early (see _overlaps)
         try:
             await self._open_sources()
             self._reserve_staging()
+            overlaps = self._overlaps()
             for layer in range(self.num_layers):
                 while layer >= self._allowed():
                     if self._closing:
@@ -227,7 +279,10 @@ class LayerStream:
                         await self._wanted.wait()
                     finally:
                         self._parked = False
-                self._arrive(layer, await self._fetch(layer))
+                fetch, ahead = ahead or asyncio.create_task(self._fetch(layer)), None
+                if overlaps and layer + 1 < min(self.num_layers, self._allowed()):
+                    ahead = asyncio.create_task(self._fetch(layer + 1))
+                self._arrive(layer, await fetch)
                 if layer + 1 == self.num_layers:
                     self._promote()  # no await before it: a consumer closing the stream now cannot stop it
                 await asyncio.sleep(0)  # let waiters in between layers
@@ -239,7 +294,19 @@ class LayerStream:
             for index in range(layer, self.num_layers):
                 self._arrive(index, error)
         finally:
-            self._release()
+            try:
+                if ahead is not None:  # its threads must end before the slots and files are let go
+                    ahead.cancel()
+                    await asyncio.gather(ahead, return_exceptions=True)
+            finally:
+                self._release()
+
+    def _overlaps(self) -> bool:
+        """Whether layer i+1's reads may start while layer i's run: every chunk from DRAM or a local tier, into
+        CPU memory. The thread calls of two layers then keep the I/O threads busy across the wait between
+        layers (a stream from disk went from 0.70x to ... of ``get_many``'s speed); a remote reader reads its
+        layers in order, and device outputs are queued on one copy stream in layer order, so those do not."""
+        return not self._on_device and all(reader is None or reader.is_local for reader in self._readers)
 
     def _arrive(self, layer: int, outcome: torch.Tensor | BaseException) -> None:
         future = self._ready[layer]
@@ -290,47 +357,79 @@ class LayerStream:
         """
         sources = self._sources
         self._staging = [None] * len(self._keys)
+        direct = not self._on_device and self._outs is not None and self._outs[0].is_contiguous()
+        self._direct = [direct and reader is not None and reader.is_local for reader in self._readers]
         if sources.promote is None:
             return
         for index, reader in enumerate(self._readers):
-            if reader is not None:
+            if reader is not None and not self._direct[index]:
                 self._staging[index] = slot = sources.staging.take(sources.pool)
                 if slot is None:
                     return  # the share is used up or no slot is free: the rest is dropped too
 
     def _promote(self) -> None:
         """Every layer arrived: hand each chunk read from a tier to the store (its slot, or None: dropped)."""
-        promote = self._sources.promote
+        promote, admit = self._sources.promote, self._sources.admit
         if promote is None:
             return
-        for key, reader, slot in zip(self._keys, self._readers, self._staging, strict=True):
-            if reader is not None:
+        for key, reader, slot, direct in zip(self._keys, self._readers, self._staging, self._direct, strict=True):
+            if reader is None:
+                continue
+            if direct and admit is not None:
+                admit(key, reader.tier)
+            else:
                 promote(key, reader.tier, slot)
 
     async def _fetch(self, layer: int) -> torch.Tensor:
-        """Layer ``layer`` of every chunk, concatenated along the token axis."""
+        """Layer ``layer`` of every chunk, concatenated along the token axis.
+
+        CPU outputs: each chunk is copied or read into its place. Device outputs: each chunk's layer
+        is first in host memory (its DRAM slot; its promotion slot, or a temporary, for a chunk read
+        from a tier), then the layer crosses the bus in one batch of asynchronous copies.
+        """
         layout, pool = self._sources.layout, self._sources.pool
         out = self._outs[layer] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
         tokens = layout.chunk_tokens
+        hosts: list[torch.Tensor] = []  # device outputs: each chunk's layer in host memory, in order
+        parts = _chunk_parts(out, len(self._keys)) if any(self._direct) else None
         reads, local, copies = [], [], []
         chunks = zip(self._slots, self._readers, self._staging, strict=True)
         for index, (slot, reader, staging) in enumerate(chunks):
             target = out[:, index * tokens : (index + 1) * tokens]
             if slot is not None:
-                copies.append((target, pool.tensor(slot)[layer]))
+                if self._on_device:
+                    hosts.append(pool.tensor(slot)[layer])
+                else:
+                    copies.append((target, pool.tensor(slot)[layer]))
                 continue
             assert reader is not None
             stage = pool.tensor(staging)[layer] if staging is not None else None
+            if self._on_device:  # read into host memory; a temporary (pageable: its upload is synchronous) if no slot
+                target = stage if stage is not None else torch.empty(layout.layer_shape, dtype=layout.dtype)
+                hosts.append(target)
             if reader.is_local:
-                local.append((reader, target, stage))
+                local.append((reader, target, stage, parts[index] if parts is not None and self._direct[index] else None))
             else:
                 reads.append(self._read(reader, layer, target, stage, index))
-        if local or copies:  # all DRAM copies and file reads of this layer in one thread call
-            reads.append(self._read_local(local, copies, layer))
+        # DRAM copies and file reads of this layer in as many thread calls as read_threads allows
+        groups = max(1, min(self._sources.read_threads, len(local)))
+        if local or copies:
+            reads.extend(self._read_local(local[g::groups], copies if g == 0 else [], layer) for g in range(groups))
         errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
         if errors:  # the first chunk that failed, whichever failed first in time
             raise min(errors, key=lambda e: e.chunk if isinstance(e, PrefetchError) and e.chunk is not None else -1)
+        if self._on_device:
+            self.completions[layer] = self._last_upload = await in_thread(
+                self._sources.executor, self._upload, out, hosts
+            )
         return out
+
+    def _upload(self, out: torch.Tensor, hosts: list[torch.Tensor]) -> Completion:
+        """Queue one layer's copies to the device (in a worker thread: issuing them is CPU work)."""
+        transfers = self._sources.transfers
+        if self._scratch is None:  # once per stream, not per layer; reused by every layer (one stream, in order)
+            self._scratch = transfers.scratch_for(out, len(hosts))
+        return transfers.upload_layer(out, hosts, self._scratch)
 
     async def _read_local(
         self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int
@@ -344,7 +443,7 @@ class LayerStream:
         executor, layout = self._sources.executor, self._sources.layout
         outcomes = await in_thread(executor, _read_files, items, copies, layer, layout)
         failed = None
-        for (reader, _, _), outcome in zip(items, outcomes, strict=True):
+        for (reader, _, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
                 reader.count(layer)
             else:
@@ -382,20 +481,42 @@ class LayerStream:
             copy_between(target, contiguous)
 
     def _release(self) -> None:
-        pool = self._sources.pool
-        for slot in self._slots:
-            if slot is not None:
-                pool.release(slot)
-        for slot in self._staging:
-            if slot is not None:
-                self._sources.staging.give_back(pool, slot)
+        """Close the readers now; release the slots once the last copy out of them has completed."""
         for reader in self._readers:
             if reader is not None:
                 reader.close()
+        slots, staging = self._slots, self._staging
         self._slots, self._readers, self._staging = [], [], []
+        sources = self._sources
+
+        def release() -> None:
+            for slot in slots:
+                if slot is not None:
+                    sources.pool.release(slot)
+            for slot in staging:
+                if slot is not None:
+                    sources.staging.give_back(sources.pool, slot)
+
+        sources.transfers.after(self._last_upload, release, asyncio.get_running_loop())
 
 
-_LocalRead = tuple[LayerReader, torch.Tensor, "torch.Tensor | None"]  # reader, target, promotion slot's layer
+# reader, target, promotion slot's layer, the target's planes as bytes (read straight into them) or None
+_LocalRead = tuple[LayerReader, torch.Tensor, "torch.Tensor | None", "list[memoryview] | None"]
+
+
+def _chunk_parts(out: torch.Tensor, chunks: int) -> list[list[memoryview]] | None:
+    """Per chunk, its planes' bytes in ``out`` (``[planes, chunks * tokens, ...]``), if ``out`` is contiguous CPU memory.
+
+    One byte view of the layer, sliced: each chunk's share of a plane is a contiguous run of it.
+    """
+    if out.device.type != "cpu" or not out.is_contiguous():
+        return None
+    whole = tensor_bytes(out)
+    plane = len(whole) // out.shape[0]
+    share = plane // chunks
+    return [
+        [whole[p * plane + i * share : p * plane + (i + 1) * share] for p in range(out.shape[0])] for i in range(chunks)
+    ]
 
 
 def _contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KVLayout) -> torch.Tensor:
@@ -412,10 +533,10 @@ def _read_files(
     for target, source in copies:
         copy_between(target, source)
     outcomes: list[Exception | None] = []
-    for reader, target, stage in items:
-        contiguous = _contiguous_for(target, stage, layout)
+    for reader, target, stage, parts in items:
+        contiguous = target if parts is not None else _contiguous_for(target, stage, layout)
         try:
-            reader.read_local(layer, tensor_bytes(contiguous))
+            reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])
         except Exception as exc:
             outcomes.append(exc)
             continue

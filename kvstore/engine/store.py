@@ -1,7 +1,9 @@
 """KVStore: the DRAM primary tier and the secondary tiers below it, orchestrated on one event loop.
 
 - ``put`` copies the chunk into a DRAM slot and returns; each secondary tier gets the write
-  through its own bounded queue (a full queue drops that tier's write and counts it).
+  through its own bounded queue (a full queue drops that tier's write and counts it). A chunk on
+  a device is copied into its slot asynchronously on the store's download stream
+  (:mod:`kvstore.engine.transfer`); it is published and cascaded once that copy has completed.
 - ``get`` serves DRAM, else reads the first tier that has the chunk straight into a fresh
   slot (promotion) and queues it for the faster tiers it skipped. Given CPU output tensors,
   the disk tier reads straight into them instead, and the promotion follows the call.
@@ -39,6 +41,7 @@ from kvstore.engine.operations import TierOperations
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
 from kvstore.engine.prefetch import LayerStream, StreamSources
 from kvstore.engine.stats import StoreLatency
+from kvstore.engine.transfer import Completion, DeviceTransfers
 from kvstore.errors import StoreClosedError, TierTimeout
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
@@ -102,6 +105,8 @@ class KVStore:
             "stream_promoted": 0,  # chunks streams read from a tier and put in DRAM (and queued for faster tiers)
             "stream_promotions_dropped": 0,  # per chunk with no DRAM slot free, per faster tier whose queue was full
         }
+        self.transfers = DeviceTransfers()  # copies to and from device tensors (copy streams, their events)
+        self._device_puts: set[asyncio.Future[None]] = set()  # puts whose device-to-slot copy is in flight
         self._stream_sources = StreamSources(
             layout,
             self.pool,
@@ -111,6 +116,9 @@ class KVStore:
             self._stream_opened,
             config.timeouts.close,
             self._stream_promote,
+            admit=self._stream_admit,
+            transfers=self.transfers,
+            read_threads=config.io_threads,
         )
         self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
@@ -210,6 +218,7 @@ class KVStore:
                 log.warning("close: the access trace could not be written: %r", exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._copy_executor.shutdown(wait=False, cancel_futures=True)
+        self.transfers.close()
         self._state = "closed"
         metrics.unregister(self)
 
@@ -235,39 +244,93 @@ class KVStore:
 
     # -- put ---------------------------------------------------------------------------------
 
-    async def put(self, key: ChunkKey, kv: torch.Tensor) -> bool:
+    async def put(self, key: ChunkKey, kv: torch.Tensor, *, ready: Completion | None = None) -> bool:
         """Copy ``kv`` into DRAM and queue it for every secondary tier; returns without I/O.
 
-        False when every DRAM slot is held by an in-flight transfer (counted as rejected).
+        False when every DRAM slot is held by an in-flight transfer (counted as rejected). A ``kv``
+        on a device is copied asynchronously, after ``ready`` (the event its producer recorded;
+        default: this thread's current stream), and must not be changed until that copy is done
+        (``flush`` waits for it); the chunk is found once the copy has completed.
         """
+        return (await self.put_many([key], [kv], ready=ready))[0]
+
+    async def put_many(
+        self, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor], *, ready: Completion | None = None
+    ) -> list[bool]:
+        """``put`` of several chunks; the ones on a device cross the bus as one batch of asynchronous copies."""
         self._check_open()
-        key_to_bytes(key)
-        self._check_chunk(kv, "kv")
-        self._counters["puts"] += 1
-        if self.pool.contains(key):
-            self._counters["put_duplicate"] += 1
-            return True
-        below = self.tiers
-        if self.policy == "second-sighting" and self.tiers and self._tracker and not self._tracker.seen_before(key):
-            below = []  # a first sighting: DRAM only, until its prefix is looked up again
-        slot = self.pool.reserve()
-        if slot is None:
-            self._counters["put_rejected"] += 1
-            return False
-        try:
-            await self._copy_in(self.pool.tensor(slot), kv.detach())  # detach: no autograd history in the slot
-            self._check_open()  # closed while the copy ran: the queues are gone (the slot is released below)
-            if not self.pool.publish(slot, key):  # another put of the same key won the race
+        if len(keys) != len(kvs):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(kvs)} chunks")
+        for key, kv in zip(keys, kvs, strict=True):
+            key_to_bytes(key)
+            self._check_chunk(kv, "kv")
+        accepted: list[bool] = []
+        downloads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot, device chunk)
+        landing: list[tuple[ChunkKey, int, Sequence[ChunkTier]]] = []  # what to publish once they are in
+        for key, kv in zip(keys, kvs, strict=True):
+            self._counters["puts"] += 1
+            if self.pool.contains(key):
                 self._counters["put_duplicate"] += 1
-                return True
-            self._enqueue(below, key, slot)
-            if below is not self.tiers:
-                self._held_back.add(key)
-                self.adaptive.held_back += 1
-        finally:
-            self.pool.release(slot)
+                accepted.append(True)
+                continue
+            below = self.tiers
+            if self.policy == "second-sighting" and self.tiers and self._tracker and not self._tracker.seen_before(key):
+                below = []  # a first sighting: DRAM only, until its prefix is looked up again
+            slot = self.pool.reserve()
+            if slot is None:
+                self._counters["put_rejected"] += 1
+                accepted.append(False)
+                continue
+            accepted.append(True)
+            if self.transfers.crosses_bus(kv):
+                downloads.append((self.pool.tensor(slot), kv.detach()))
+                landing.append((key, slot, below))
+                continue
+            try:
+                await self._copy_in(self.pool.tensor(slot), kv.detach())  # detach: no autograd history in the slot
+                self._check_open()  # closed while the copy ran: the queues are gone (the slot is released below)
+                self._publish(key, slot, below)
+            finally:
+                self.pool.release(slot)
+        if downloads:
+            self._download(downloads, landing, ready)
         await asyncio.sleep(0)  # let the cascade workers start this write while the engine goes on
-        return True
+        return accepted
+
+    def _download(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        landing: list[tuple[ChunkKey, int, Sequence[ChunkTier]]],
+        ready: Completion | None,
+    ) -> None:
+        """Queue the device-to-slot copies; publish and cascade the chunks once they have completed (on the loop)."""
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Future[None] = loop.create_future()
+        self._device_puts.add(landed)
+
+        def publish() -> None:
+            try:
+                for key, slot, below in landing:
+                    try:
+                        if self._state == "open":
+                            self._publish(key, slot, below)
+                    finally:
+                        self.pool.release(slot)
+            finally:
+                self._device_puts.discard(landed)
+                landed.set_result(None)
+
+        self.transfers.after(self.transfers.download(pairs, ready), publish, loop)
+
+    def _publish(self, key: ChunkKey, slot: int, below: Sequence[ChunkTier]) -> None:
+        """A filled slot (referenced by the caller): findable under ``key``, and queued for the tiers ``below``."""
+        if not self.pool.publish(slot, key):  # another put of the same key won the race
+            self._counters["put_duplicate"] += 1
+            return
+        self._enqueue(below, key, slot)
+        if below is not self.tiers:
+            self._held_back.add(key)
+            self.adaptive.held_back += 1
 
     async def _copy_in(self, target: torch.Tensor, kv: torch.Tensor) -> None:
         """Copy a chunk into its slot: in the copy thread when a remote tier is below, else on the loop.
@@ -456,6 +519,14 @@ class KVStore:
         self._counters["stream_promoted"] += 1
         self._counters["stream_promotions_dropped"] += sum(held.stats.drops for held in self.tiers[:position]) - drops
 
+    def _stream_admit(self, key: ChunkKey, tier: ReaderTier) -> None:
+        """A layer stream read ``key`` from local ``tier`` straight into its consumer's memory: admit it to DRAM
+        in the background (a re-read of the file, as after ``get_many``; engine/loads.py). Never blocks."""
+        if self._state != "open":
+            return
+        position = next(i for i, held in enumerate(self.tiers) if held is tier)
+        self._loader.admit(position, key, self.config.timeouts.get)
+
     # -- adaptive sizing (what auto mode may read and change: kvstore.sizing.adaptive.SizingTarget) ----
 
     @property
@@ -509,8 +580,10 @@ class KVStore:
     async def flush(self) -> None:
         """Wait until every queued write has reached its tier (or failed, or timed out).
 
-        Chunks ``get_many`` read into the caller's buffers are admitted to DRAM first (they may queue writes).
+        Chunks ``get_many`` read into the caller's buffers are admitted to DRAM first (they may queue writes),
+        and puts of device tensors wait for their copies into DRAM.
         """
+        await asyncio.gather(*list(self._device_puts))
         await self._loader.settle()
         await asyncio.gather(*(queue.join() for queue in self._queues))
 

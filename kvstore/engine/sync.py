@@ -20,6 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.engine.planner import LoadPlan
 from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.store import KVStore
+from kvstore.engine.transfer import ready_on_current_stream
 from kvstore.errors import LayerTimeout, StoreClosedError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -55,7 +56,13 @@ class SyncKVStore:
         return self.store.chunk_keys(token_ids, extra)
 
     def put(self, key: ChunkKey, kv: torch.Tensor) -> bool:
-        return self._call(self.store.put(key, kv))
+        """``KVStore.put``; a device ``kv`` is copied once the work queued on this thread's current stream is done."""
+        return self._call(self.store.put(key, kv, ready=ready_on_current_stream(kv.device)))
+
+    def put_many(self, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> list[bool]:
+        """``KVStore.put_many`` (one hop to the loop for all of them); device tensors as in :meth:`put`."""
+        ready = ready_on_current_stream(kvs[0].device) if kvs else None
+        return self._call(self.store.put_many(keys, kvs, ready=ready))
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         return self._call(self.store.lookup(keys))
@@ -184,6 +191,8 @@ class SyncLayerStream:
         No round trip through the loop: the request is recorded (the loop is woken only if the
         stream waits for it, see ``LayerStream.request_from_thread``), the arrival is a
         threading.Event (a layer that is already in costs microseconds, not a thread hop).
+        With device outputs, the calling thread's current stream waits for the layer's copies
+        (a device-side wait: this returns once the copies are queued, not once they are done).
         """
         stream = self._stream
         if not 0 <= index < stream.num_layers:
@@ -200,16 +209,18 @@ class SyncLayerStream:
         if isinstance(outcome, BaseException):
             raise outcome
         assert outcome is not None
+        stream.completions[index].wait_on_current_stream()
         return outcome
 
     def on_arrival(self, index: int, callback: Callable[[BaseException | None], None]) -> None:
-        """Call ``callback(None)`` on the store's loop when layer ``index`` has arrived (its error if it
-        cannot); non-blocking. A load planner times a whole load this way (layer -1: the last)."""
+        """Call ``callback(None)`` on the store's loop when layer ``index`` has arrived and its copies into
+        device outputs have completed (its error if it cannot); non-blocking. A load planner times a
+        whole load this way (layer -1: the last)."""
         stream = self._stream
 
         async def notify() -> None:
             try:
-                await stream.layer(index % stream.num_layers)
+                await stream.landed(index % stream.num_layers)
             except Exception as exc:
                 callback(exc)
             else:

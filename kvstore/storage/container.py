@@ -322,9 +322,18 @@ def verify_segments(segments: Sequence[Segment], payload: Buffer, layers: Iterab
         _check_segment(segment, layer, view[segment.offset : segment.offset + segment.stored_len])
 
 
-def verify_segment(header: ChunkHeader, layer: int, stored: Buffer) -> None:
-    """Check one layer's stored bytes, read on their own, against the header's table."""
-    _check_segment(header.segments[layer], layer, stored)
+def verify_segment(header: ChunkHeader, layer: int, stored: Buffer | list[memoryview]) -> None:
+    """Check one layer's stored bytes, read on their own (in one buffer, or in parts, in order), against the table."""
+    if not isinstance(stored, list):
+        _check_segment(header.segments[layer], layer, stored)
+        return
+    hasher, length = xxhash.xxh3_64(), 0
+    for part in stored:
+        hasher.update(part)
+        length += len(part)
+    segment = header.segments[layer]
+    if length != segment.stored_len or hasher.intdigest() != segment.checksum:
+        raise ChunkFormatError(f"layer {layer} failed its checksum")
 
 
 def _check_segment(segment: Segment, layer: int, stored: Buffer) -> None:

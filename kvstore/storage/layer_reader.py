@@ -82,7 +82,7 @@ class LayerReader:
         """
         tier = self.tier
         if self._file is not None:
-            await in_thread(tier.executor, self.read_local, layer, out)
+            await in_thread(tier.executor, self.read_local, layer, [out])
             return
         stored = self._fetched.pop(layer, None)
         if stored is None and layer in self._ahead_layers:
@@ -154,19 +154,31 @@ class LayerReader:
         """Add a layer read that succeeded to the tier's stats."""
         self.tier.stats.bytes_read += self.header.segments[layer].stored_len
 
-    def read_local(self, layer: int, out: memoryview) -> None:
-        """The blocking file read of :meth:`read` (call it from a worker thread)."""
+    def read_local(self, layer: int, parts: list[memoryview]) -> None:
+        """The blocking file read of :meth:`read` (call it from a worker thread) into ``parts``, filled in order.
+
+        One buffer, or the pieces of one (a layer's planes where they sit in the caller's tensor): a
+        plain chunk is read straight into them (one vectored read) and only checksummed.
+        """
         assert self._file is not None
         segment = self.header.segments[layer]
         start, stored_len = self.header.header_len + segment.offset, segment.stored_len
-        plain = self.header.plain and stored_len == len(out)
-        target = out if plain else memoryview(bytearray(stored_len))
-        if self._file.readinto([target], start) != stored_len:
+        size = sum(len(part) for part in parts)
+        if self.header.plain and stored_len == size:
+            if self._file.readinto(parts, start) != stored_len:
+                raise ChunkFormatError(f"layer {layer} is truncated")
+            verify_segment(self.header, layer, parts)  # read in place: only the checksum is left
+            return
+        stored = memoryview(bytearray(stored_len))
+        if self._file.readinto([stored], start) != stored_len:
             raise ChunkFormatError(f"layer {layer} is truncated")
-        if plain:
-            verify_segment(self.header, layer, out)  # read in place: only the checksum is left
-        else:
-            decode_layer(self.header, self.tier.layout, layer, target, out)
+        whole = parts[0] if len(parts) == 1 else memoryview(bytearray(size))
+        decode_layer(self.header, self.tier.layout, layer, stored, whole)
+        if whole is not parts[0]:
+            offset = 0
+            for part in parts:
+                part[:] = whole[offset : offset + len(part)]
+                offset += len(part)
 
     def close(self) -> None:
         """Release the file (or the segments fetched ahead, cancelling a read-ahead in flight); idempotent."""

@@ -1,0 +1,193 @@
+"""The device path (issue 26): copies to and from device memory are queued with a completion, the memory
+under a copy is held until it is done, and streams and puts give the same bytes through it.
+
+Every test runs on the CPU, where ``DeviceTransfers(host_as_device=True)`` sends CPU tensors down the
+device path (staging in host memory, deferred releases, completions), and, where CUDA is available,
+on the GPU as well."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from test_prefetch import LAYOUT, chunk, config, expected_layer, keys_of, same
+
+from kvstore import KVStore, SyncKVStore
+from kvstore.engine.transfer import DONE, Completion, DeviceTransfers
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+class HeldEvent:
+    """A copy that has not completed until the test says so (what a CUDA event is to Completion)."""
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+
+    def query(self) -> bool:
+        return self.finished.is_set()
+
+    def synchronize(self) -> None:
+        self.finished.wait(10)
+
+    def wait(self) -> None:
+        """A stream's wait: nothing to do on the CPU."""
+
+
+def device_store(tmp_path: Path, device: str, **sections: dict) -> KVStore:
+    store = KVStore(config(tmp_path, **sections), LAYOUT, "transfer")
+    if device == "cpu":
+        store.transfers.host_as_device = True  # the device path, with CPU tensors
+    return store
+
+
+def model_order_outs(count: int, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prompt-long buffers in a model's ``[planes, 1, heads, tokens, dim]`` order, and the stream's views of them."""
+    shape = (LAYOUT.kv_planes, 1, LAYOUT.num_kv_heads, count * LAYOUT.chunk_tokens, LAYOUT.head_dim)
+    buffers = [torch.zeros(shape, dtype=LAYOUT.dtype, device=device) for _ in range(LAYOUT.num_layers)]
+    return buffers, [buffer[:, 0].permute(0, 2, 1, 3) for buffer in buffers]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_of_chunks_lands_in_strided_outputs(device):
+    transfers = DeviceTransfers()
+    chunks = [chunk(i) for i in range(3)]
+    _, outs = model_order_outs(3, device)
+    sources = [c[1].pin_memory() if device == "cuda" else c[1] for c in chunks]
+    done = transfers.upload_layer(outs[1], sources, transfers.scratch_for(outs[1], 3))
+    done.wait_on_current_stream()
+    assert same(outs[1].cpu(), expected_layer(chunks, 1))
+    landing = [torch.empty(LAYOUT.layer_shape, dtype=LAYOUT.dtype) for _ in range(3)]
+    back = transfers.download([(landing[i], outs[1][:, i * 32 : (i + 1) * 32]) for i in range(3)])
+    back.synchronize()
+    assert all(same(landing[i], chunks[i][1]) for i in range(3))
+    assert (done is DONE) == (device == "cpu")
+
+
+async def test_a_callback_waits_for_its_copy_and_runs_on_the_loop():
+    transfers, held = DeviceTransfers(), HeldEvent()
+    ran: list[threading.Thread] = []
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+
+    def callback() -> None:
+        ran.append(threading.current_thread())
+        finished.set_result(None)
+
+    transfers.after(Completion(held), callback, loop)  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert not ran, "the callback ran before its copy completed"
+    held.finished.set()
+    await asyncio.wait_for(finished, 10)
+    assert ran == [threading.current_thread()], "the callback runs on the loop's thread"
+    transfers.after(DONE, lambda: ran.append(threading.current_thread()), loop)
+    assert len(ran) == 2, "a completed copy's callback runs at once"
+    transfers.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_puts_from_the_device_land_in_dram_and_on_disk(tmp_path, device):
+    chunks = [chunk(i) for i in range(4)]
+    async with device_store(tmp_path, device) as store:
+        keys = keys_of(store, 4)
+        assert await store.put_many(keys[:3] + keys[:1], [c.to(device) for c in chunks[:3] + chunks[:1]]) == [True] * 4
+        assert await store.put(keys[3], chunks[3].to(device))
+        await store.flush()  # waits for the copies, then the cascade
+        assert all(store.pool.contains(key) for key in keys)
+        assert store.stats()["store"]["put_duplicate"] == 1  # the same key twice in one batch
+        assert store.stats()["disk"]["writes"] == 4
+        assert store.pool.stats()["referenced"] == 0
+        for key, kv in zip(keys, chunks, strict=True):
+            assert same(await store.get(key), kv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_streams_into_device_buffers_from_dram_and_disk_are_exact(tmp_path, device):
+    chunks = [chunk(i) for i in range(4)]
+    async with device_store(tmp_path, device) as store:
+        keys = keys_of(store, 4)
+        await store.put_many(keys, chunks)
+        await store.flush()
+        for key in keys[2:]:
+            store.pool.discard(key)  # chunks 2 and 3 come from the disk tier, staged in DRAM slots
+        buffers, outs = model_order_outs(4, device)
+        async with store.prefetch(keys, depth=2, outs=outs) as stream:
+            async for layer, kv in stream:
+                assert kv is outs[layer]
+                assert same(kv.cpu(), expected_layer(chunks, layer))
+        await store.flush()
+        stats = store.stats()["store"]
+        assert stats["streamed_from_dram"] == 2 and stats["stream_promoted"] == 2
+        assert all(store.pool.contains(key) for key in keys)
+        assert store.pool.stats()["referenced"] == 0, "every slot is released once its copies are done"
+        assert same(buffers[0][0, 0].transpose(0, 1).cpu(), expected_layer(chunks, 0)[0])
+
+
+async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path):
+    held = HeldEvent()
+
+    class Slow(DeviceTransfers):
+        def upload_layer(self, out, sources, scratch):  # the copies are queued, not done
+            super().upload_layer(out, sources, scratch)
+            return Completion(held)  # type: ignore[arg-type]
+
+    chunks = [chunk(i) for i in range(2)]
+    async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
+        store.transfers = Slow(host_as_device=True)
+        object.__setattr__(store._stream_sources, "transfers", store.transfers)
+        keys = keys_of(store, 2)
+        await store.put_many(keys, chunks)
+        _, outs = model_order_outs(2, "cpu")
+        async with store.prefetch(keys, depth=LAYOUT.num_layers, outs=outs) as stream:
+            async for _ in stream:
+                pass
+        assert store.pool.stats()["referenced"] == 2, "the slots were released under a copy in flight"
+        held.finished.set()
+        for _ in range(100):
+            if store.pool.stats()["referenced"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert store.pool.stats()["referenced"] == 0
+
+
+async def test_a_stream_from_disk_into_cpu_outputs_reads_in_place_and_admits_after(tmp_path):
+    chunks = [chunk(i) for i in range(3)]
+    async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
+        keys = keys_of(store, 3)
+        await store.put_many(keys, chunks)
+        await store.flush()
+        for key in keys:
+            store.pool.discard(key)
+        shape = (LAYOUT.kv_planes, 3 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        outs = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+        async for layer, kv in store.prefetch(keys, depth=3, outs=outs):
+            assert kv is outs[layer] and same(kv, expected_layer(chunks, layer))
+        await store.flush()  # the admissions to DRAM that follow the stream
+        stats = store.stats()["store"]
+        assert stats["admitted"] == 3 and stats["stream_promoted"] == 0
+        assert all(store.pool.contains(key) for key in keys)
+        for key, kv in zip(keys, chunks, strict=True):
+            assert same(await store.get(key), kv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sync_facade_streams_into_device_buffers(tmp_path, device):
+    chunks = [chunk(i) for i in range(2)]
+    with SyncKVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "transfer") as store:
+        if device == "cpu":
+            store.store.transfers.host_as_device = True
+        keys = store.chunk_keys(keys_tokens())
+        assert store.put_many(keys, [c.to(device) for c in chunks]) == [True, True]
+        store.flush()
+        _, outs = model_order_outs(2, device)
+        with store.prefetch(keys, depth=2, outs=outs) as stream:
+            for layer in range(LAYOUT.num_layers):
+                kv = stream.wait_layer(layer, timeout=10)  # the current stream waits for the copies
+                assert same(kv.cpu(), expected_layer(chunks, layer))
+
+
+def keys_tokens() -> list[int]:
+    return list(range(2 * LAYOUT.chunk_tokens))
