@@ -157,6 +157,7 @@ class DeviceTransfers:
                 scratch[index].copy_(source, non_blocking=True)
             placed = out.unflatten(1, (count, out.shape[1] // count))  # [planes, n, tokens, heads, dim]
             placed.copy_(scratch[:count].transpose(0, 1))
+            out.record_stream(stream)  # freed early (a request that ended), its memory waits for this copy
             return _record(stream)
 
     def scratch_for(self, out: torch.Tensor, chunks: int) -> torch.Tensor | None:
