@@ -10,7 +10,6 @@ DEPS=/tmp/kvstore-deps
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; nproc; } > "$OUT/machine.txt" 2>&1
 python3 -m pip install --no-index --no-deps --quiet --target "$DEPS" .whl/*.whl > "$OUT/install.txt" 2>&1
 export PYTHONPATH="$PWD:$DEPS"
-export KVSTORE_LOG_LEVEL=WARNING
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_dram.py tests/test_store.py \
   tests/test_prefetch.py -k "not redis and not s3 and not remote" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUT/tests.txt"

@@ -38,12 +38,26 @@ def set_estimate(plan: LoadPlanner, tier: str, latency: float, bytes_per_s: floa
 
 def test_a_slow_tier_s_chunks_are_recomputed_and_the_faster_ones_before_them_loaded():
     plan = planner()
+    set_estimate(plan, DRAM, 0.0, 10e9)  # the DRAM path measured at 10 GB/s
     set_estimate(plan, "disk", 0.001, 1e9, local=True)  # 1 ms + 1 ms for the first chunk, 1 ms each after
     set_estimate(plan, "s3", 0.05, 1e7)  # 50 ms + 100 ms for the first, 100 ms each after: recompute is 100
     result = plan.plan([DRAM, DRAM, "disk", "s3", "s3"])
     assert (result.held, result.load, result.recomputed) == (5, 3, 2)
     assert result.load_seconds == pytest.approx(2 * MB / 10e9 + 0.002)
     assert result.recompute_seconds == pytest.approx(0.3)
+
+
+def test_dram_costs_what_its_loads_measured_and_nothing_before():
+    """Its seed is a memcpy; a GPU engine loads over the bus (issue 26): a hit is never refused unmeasured."""
+    plan = planner()
+    plan.dram.bytes_per_s = 1e6  # a seed far too slow: a chunk would cost 1 s against 0.1 s of recompute
+    assert plan.plan([DRAM, DRAM]).load == 2
+    plan.observe_read(DRAM, 2.0, 2 * MB)  # measured: 1 MB/s
+    assert plan.plan([DRAM, DRAM]).load == 0
+    plan.observe_read(DRAM, 0.001, 10 * MB)  # the path got fast (the EWMA moves towards 10 GB/s)
+    for _ in range(20):
+        plan.observe_read(DRAM, 0.001, 10 * MB)
+    assert plan.plan([DRAM, DRAM]).load == 2
 
 
 def test_a_fast_enough_remote_tier_is_loaded_whole():

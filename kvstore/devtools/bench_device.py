@@ -68,70 +68,74 @@ async def bench_paths(
     raw_out = timed(lambda: _copy_all(landing, sources))  # device to host
     raw_label = "pinned copy_(non_blocking) H2D" if pinned else "memcpy"
     rows: list[Row] = []
+    capacity = (2 * chunks + 2) * layout.chunk_nbytes  # the chunks, and a stream's staging share
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-device-", dir=directory) as scratch:
-        config = StoreConfig(
-            dram={"capacity": (2 * chunks + 2) * layout.chunk_nbytes},
-            disk={"path": Path(scratch) / "tier", "capacity": 1 << 50},
-        )
-        async with KVStore(config, layout, namespace=f"bench-{layout_name}") as store:
+        for tier in ("dram", "disk"):  # DRAM rows on a DRAM-only store: no cascade in a put's flush
+            disk = {"path": Path(scratch) / "tier", "capacity": 1 << 50} if tier == "disk" else {"enabled": False}
+            config = StoreConfig(dram={"capacity": capacity}, disk=disk)
+            async with KVStore(config, layout, namespace=f"bench-{layout_name}") as store:
 
-            async def clear() -> None:
-                await store.flush()  # promotions, admissions and writes of the last round: outside the timings
-                for key in keys:
-                    store.pool.discard(key)
+                async def clear(store: KVStore = store) -> None:
+                    await store.flush()  # promotions, admissions and writes of the last round: outside the timings
+                    for key in keys:
+                        store.pool.discard(key)
 
-            async def put_flush() -> float:
-                await clear()
-                _sync(target_device)
-                start = time.perf_counter()
-                accepted = await store.put_many(keys, sources)
-                await store.flush()
-                elapsed = time.perf_counter() - start
-                if not all(accepted):
-                    raise RuntimeError("DRAM refused a put during the benchmark")
-                return elapsed
+                async def put_flush(store: KVStore = store) -> float:
+                    await clear()
+                    _sync(target_device)
+                    start = time.perf_counter()
+                    accepted = await store.put_many(keys, sources)
+                    await store.flush()
+                    elapsed = time.perf_counter() - start
+                    if not all(accepted):
+                        raise RuntimeError("DRAM refused a put during the benchmark")
+                    return elapsed
 
-            async def get_many() -> float:
-                _sync(target_device)
-                start = time.perf_counter()
-                results = await store.get_many(keys, outs)
-                _sync(target_device)
-                if any(result is None for result in results):
-                    raise RuntimeError("a chunk went missing during the benchmark")
-                return time.perf_counter() - start
+                async def get_many(store: KVStore = store) -> float:
+                    _sync(target_device)
+                    start = time.perf_counter()
+                    results = await store.get_many(keys, outs)
+                    _sync(target_device)
+                    if any(result is None for result in results):
+                        raise RuntimeError("a chunk went missing during the benchmark")
+                    return time.perf_counter() - start
 
-            async def stream() -> float:
-                _sync(target_device)
-                start = time.perf_counter()
-                async with store.prefetch(keys, depth=layout.num_layers, outs=layer_outs) as layers:
-                    async for _ in layers:
-                        pass
-                _sync(target_device)
-                return time.perf_counter() - start
+                async def stream(store: KVStore = store) -> float:
+                    _sync(target_device)
+                    start = time.perf_counter()
+                    async with store.prefetch(keys, depth=layout.num_layers, outs=layer_outs) as layers:
+                        async for _ in layers:
+                            pass
+                    _sync(target_device)
+                    return time.perf_counter() - start
 
-            def from_disk(read: Callable[[], Awaitable[float]]) -> Callable[[], Awaitable[float]]:
-                async def run() -> float:
-                    await clear()  # DRAM emptied: every chunk comes from the disk tier (its files in the page cache)
-                    return await read()
+                def from_disk(read: Callable[[], Awaitable[float]]) -> Callable[[], Awaitable[float]]:
+                    async def run() -> float:
+                        await clear()  # DRAM emptied: every chunk comes from the disk tier (files in the page cache)
+                        return await read()
 
-                return run
+                    return run
 
-            base, mine = await _best_pair(raw_out, put_flush, repeats)
-            put_label = "put from the device + flush, DRAM" if pinned else "put + flush, DRAM"
-            rows.append(Row(layout_name, put_label, total, mine, base, _d2h_label(pinned)))
-            base, mine = await _best_pair(raw_in, get_many, repeats)
-            rows.append(Row(layout_name, "get_many -> outs, DRAM", total, mine, base, raw_label))
-            _check_chunks(outs, hosts)
-            base, mine = await _best_pair(gather, stream, repeats)
-            rows.append(Row(layout_name, "stream DRAM -> outs", total, mine, base, raw_label if pinned else "gather"))
-            _check_layers(layer_outs, hosts)
-            disk_get, disk_stream = from_disk(get_many), from_disk(stream)
-            await disk_get()  # the files are in the page cache from here on (warm)
-            base, mine = await _best_pair(raw_in, disk_get, repeats)
-            rows.append(Row(layout_name, "get_many -> outs, disk (warm)", total, mine, base, raw_label))
-            base, mine = await _best_pair(disk_get, disk_stream, repeats)
-            rows.append(Row(layout_name, "stream disk -> outs (warm)", total, mine, base, "get_many -> outs, disk (warm)"))
-            _check_layers(layer_outs, hosts)
+                base, mine = await _best_pair(raw_out, put_flush, repeats)
+                if tier == "dram":
+                    put_label = "put from the device + flush, DRAM" if pinned else "put + flush, DRAM"
+                    rows.append(Row(layout_name, put_label, total, mine, base, _d2h_label(pinned)))
+                    base, mine = await _best_pair(raw_in, get_many, repeats)
+                    rows.append(Row(layout_name, "get_many -> outs, DRAM", total, mine, base, raw_label))
+                    _check_chunks(outs, hosts)
+                    base, mine = await _best_pair(gather, stream, repeats)
+                    label = raw_label if pinned else "gather"
+                    rows.append(Row(layout_name, "stream DRAM -> outs", total, mine, base, label))
+                    _check_layers(layer_outs, hosts)
+                    continue
+                disk_get, disk_stream = from_disk(get_many), from_disk(stream)
+                await disk_get()  # the files are in the page cache from here on (warm)
+                base, mine = await _best_pair(raw_in, disk_get, repeats)
+                rows.append(Row(layout_name, "get_many -> outs, disk (warm)", total, mine, base, raw_label))
+                base, mine = await _best_pair(disk_get, disk_stream, repeats)
+                label = "get_many -> outs, disk (warm)"
+                rows.append(Row(layout_name, "stream disk -> outs (warm)", total, mine, base, label))
+                _check_layers(layer_outs, hosts)
     return rows
 
 

@@ -197,9 +197,10 @@ class LoadPlanner:
             estimate = self.estimate(tier, True if local is None else local[k - 1])
             count = used.get(tier, 0)
             # One more chunk from this tier: its bytes, and the request's latency if it is the tier's first.
-            # A tier none of whose reads was measured yet costs its latency only: a seed never refuses
-            # a hit (else the tier would never be read, and never measured).
-            transfer = self.chunk_nbytes / estimate.bytes_per_s if estimate.reads or tier == DRAM else 0.0
+            # A tier none of whose loads was measured yet costs its latency only: a seed never refuses
+            # a hit (else the tier would never be read, and never measured). DRAM too: its seed is a
+            # memcpy, and a GPU engine loads from it over the bus, at another rate (issue 26).
+            transfer = self.chunk_nbytes / estimate.bytes_per_s if estimate.reads else 0.0
             load += transfer + (estimate.latency_s if count == 0 else 0.0)
             used[tier] = count + 1
             saving = k * per_chunk - load
