@@ -191,3 +191,17 @@ def test_the_sync_facade_streams_into_device_buffers(tmp_path, device):
 
 def keys_tokens() -> list[int]:
     return list(range(2 * LAYOUT.chunk_tokens))
+
+
+def test_the_device_benchmarks_run_on_the_cpu(tmp_path):
+    """``kvstore bench --device``'s code, on small shapes: every row measured, every loaded byte checked."""
+    from kvstore.devtools.bench_device import bench_paths
+    from kvstore.devtools.bench_ttft import bench_ttft, parse_cases
+
+    rows = asyncio.run(bench_paths("cpu", "SmolLM2-135M", chunks=2, repeats=1, directory=tmp_path))
+    assert [row.operation for row in rows][-1] == "stream disk -> outs (warm)" and len(rows) == 5
+    assert all(row.seconds > 0 and row.baseline_seconds > 0 for row in rows)
+    (row,) = bench_ttft(parse_cases("tiny:512"), "cpu", repeats=1, directory=tmp_path)
+    assert (row.chunks, row.loaded_dram) == (2, 2)  # the planner loads from DRAM until it measures it slower
+    with pytest.raises(ValueError, match="MODEL:TOKENS"):
+        parse_cases("70B:8192")

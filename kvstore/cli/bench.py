@@ -267,6 +267,7 @@ def ttft_table(rows: Sequence[TTFTRow], card: str) -> Table:
     columns = ("model", "prompt", "recompute", "GPU cache hit", "kvstore DRAM", "kvstore disk", "first + save")
     table = make_table(f"HFConnector time to first token on {card} (random-weight Llama, bf16, SDPA)", columns)
     for row in rows:
+
         def ms(seconds: float) -> str:
             return f"{seconds * 1e3:.0f} ms"
 

@@ -63,7 +63,7 @@ from kvstore.connectors.hf_cache import (
     first_held_token,
 )
 from kvstore.connectors.identity import default_namespace
-from kvstore.engine.planner import DRAM, LoadPlan
+from kvstore.engine.planner import LoadPlan
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import PrefetchError
 from kvstore.keys import ChunkKey
@@ -260,7 +260,9 @@ class HFConnector:
             assert held_from is not None
             span = slice(begin * size - held_from, end * size - held_from)
             for plane, states in enumerate((layer.keys, layer.values)):  # [1, heads, tokens, dim]
-                chunks[:count, layer_index, plane].copy_(states[0, :, span].unflatten(1, (count, size)).permute(1, 2, 0, 3))
+                chunks[:count, layer_index, plane].copy_(
+                    states[0, :, span].unflatten(1, (count, size)).permute(1, 2, 0, 3)
+                )
         return chunks[:count]
 
     # -- a whole request ---------------------------------------------------------------------------

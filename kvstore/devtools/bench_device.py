@@ -29,13 +29,18 @@ from kvstore.engine.store import KVStore
 from kvstore.keys import chunk_keys
 from kvstore.util.buffers import copy_between
 
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 async def bench_paths(
-    device: str = "cpu", layout_name: str = "Llama-3-8B", chunks: int = 16, repeats: int = 3, directory: Path | None = None
+    device: str = "cpu",
+    layout_name: str = "Llama-3-8B",
+    chunks: int = 16,
+    repeats: int = 3,
+    directory: Path | None = None,
 ) -> list[Row]:
     """The rows for ``device``: puts, ``get_many`` and layer streams from DRAM and disk, each beside its baseline."""
     target_device = torch.device(device)

@@ -58,7 +58,7 @@ class TTFTRow:
 
 
 def parse_cases(text: str) -> tuple[tuple[str, int], ...]:
-    """``"8B:8192,8B:32768"`` as cases; a model not in SHAPES or a prompt not a whole number of 256-token chunks is refused."""
+    """``"8B:8192,8B:32768"`` as cases; a model not in SHAPES, or a prompt not a whole number of chunks, is refused."""
     cases = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, length = item.partition(":")
@@ -101,95 +101,119 @@ def bench_ttft(
     cases: tuple[tuple[str, int], ...] = CASES, device: str = "cuda", repeats: int = 3, directory: Path | None = None
 ) -> list[TTFTRow]:
     """The TTFT table's rows (see the module docstring); raises if any loaded KV differs from what was saved."""
+    where = torch.device(device)
+    rows: list[TTFTRow] = []
+    generator = torch.Generator().manual_seed(0)
+    for shape in dict.fromkeys(name for name, _ in cases):
+        rows += _bench_shape(
+            shape, [length for name, length in cases if name == shape], where, repeats, directory, generator
+        )
+        if where.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_shape(
+    shape: str,
+    lengths: list[int],
+    where: torch.device,
+    repeats: int,
+    directory: Path | None,
+    generator: torch.Generator,
+) -> list[TTFTRow]:
+    """The rows of one model shape (its model built once), one per prompt length."""
     from transformers import DynamicCache
 
     from kvstore.connectors.hf import HFConnector, layout_for_model
     from kvstore.engine.sync import SyncKVStore
 
-    where = torch.device(device)
     rows: list[TTFTRow] = []
-    generator = torch.Generator().manual_seed(0)
-    for shape in dict.fromkeys(name for name, _ in cases):
-        model = build_model(shape, device)
-        layout = layout_for_model(model)
-        longest = max(prompt for name, prompt in cases if name == shape)
-        chunk_bytes = layout.chunk_nbytes
-        capacity = (2 * (longest // layout.chunk_tokens) + 4) * chunk_bytes  # the prompt, and its staging share
-        with tempfile.TemporaryDirectory(prefix="kvstore-ttft-", dir=directory) as scratch:
-            config = StoreConfig(dram={"capacity": capacity}, disk={"path": Path(scratch), "capacity": 1 << 50})
-            with torch.inference_mode(), SyncKVStore(config, layout, namespace=f"bench-ttft-{shape}") as store:
-                connector = HFConnector(model, store)
+    model = build_model(shape, where.type)
+    layout = layout_for_model(model)
+    longest = max(lengths)
+    chunk_bytes = layout.chunk_nbytes
+    capacity = (2 * (longest // layout.chunk_tokens) + 4) * chunk_bytes  # the prompt, and its staging share
+    with tempfile.TemporaryDirectory(prefix="kvstore-ttft-", dir=directory) as scratch:
+        config = StoreConfig(dram={"capacity": capacity}, disk={"path": Path(scratch), "capacity": 1 << 50})
+        with torch.inference_mode(), SyncKVStore(config, layout, namespace=f"bench-ttft-{shape}") as store:
+            connector = HFConnector(model, store)
 
-                def prompt(length: int) -> torch.Tensor:
-                    return torch.randint(0, model.config.vocab_size, (1, length), generator=generator).to(where)
+            def prompt(length: int) -> torch.Tensor:
+                return torch.randint(0, model.config.vocab_size, (1, length), generator=generator).to(where)
 
-                def generate(ids: torch.Tensor, **kwargs: Any) -> Any:
-                    return model.generate(ids, max_new_tokens=1, do_sample=False, **kwargs)
+            def generate(ids: torch.Tensor, **kwargs: Any) -> Any:
+                return model.generate(ids, max_new_tokens=1, do_sample=False, **kwargs)
 
-                def empty_dram(ids: torch.Tensor) -> None:
+            def empty_dram(ids: torch.Tensor) -> None:
+                store.flush()
+                for key in store.chunk_keys(ids[0].tolist()):
+                    store.store.pool.discard(key)
+
+            for length in lengths:
+                generate(prompt(length))  # warm-up: kernels, allocator
+                ids = prompt(length)
+                reference = DynamicCache(config=model.config)
+                model(ids, past_key_values=reference, use_cache=True)  # the KV of the whole prompt
+                connector.save(ids, reference)
+                store.flush()
+                floor_cache = DynamicCache(config=model.config)
+                model(ids[:, :-1], past_key_values=floor_cache, use_cache=True)
+
+                def gpu_hit(cache: DynamicCache = floor_cache, ids: torch.Tensor = ids) -> float:
+                    copy = DynamicCache(config=model.config)
+                    for index, layer in enumerate(cache.layers):
+                        copy.update(layer.keys.clone(), layer.values.clone(), index)
+                    return _timed(where, lambda: generate(ids, past_key_values=copy))
+
+                def kvstore(
+                    disk: bool, ids: torch.Tensor = ids, reference: DynamicCache = reference
+                ) -> tuple[float, int]:
+                    if disk:
+                        empty_dram(ids)
+                    prefix: list[Any] = []
+
+                    def run() -> None:
+                        loaded = connector.load(ids)
+                        prefix.append(loaded)
+                        try:
+                            generate(ids, past_key_values=loaded.cache)
+                        finally:
+                            loaded.close()
+
+                    seconds = _timed(where, run)
+                    _check(prefix[0], reference)
+                    return seconds, prefix[0].chunks
+
+                def first_with_save(length: int = length) -> float:
+                    fresh = prompt(length)
+                    seconds = _timed(where, lambda: connector.generate(fresh, max_new_tokens=1, do_sample=False))
                     store.flush()
-                    for key in store.chunk_keys(ids[0].tolist()):
-                        store.store.pool.discard(key)
+                    return seconds
 
-                for name, length in cases:
-                    if name != shape:
-                        continue
-                    generate(prompt(length))  # warm-up: kernels, allocator
-                    ids = prompt(length)
-                    reference = DynamicCache(config=model.config)
-                    model(ids, past_key_values=reference, use_cache=True)  # the KV of the whole prompt
-                    connector.save(ids, reference)
-                    store.flush()
-                    floor_cache = DynamicCache(config=model.config)
-                    model(ids[:, :-1], past_key_values=floor_cache, use_cache=True)
-
-                    def gpu_hit(cache: DynamicCache = floor_cache, ids: torch.Tensor = ids) -> float:
-                        copy = DynamicCache(config=model.config)
-                        for index, layer in enumerate(cache.layers):
-                            copy.update(layer.keys.clone(), layer.values.clone(), index)
-                        return _timed(where, lambda: generate(ids, past_key_values=copy))
-
-                    def kvstore(disk: bool, ids: torch.Tensor = ids, reference: DynamicCache = reference) -> tuple[float, int]:
-                        if disk:
-                            empty_dram(ids)
-                        prefix: list[Any] = []
-
-                        def run() -> None:
-                            loaded = connector.load(ids)
-                            prefix.append(loaded)
-                            try:
-                                generate(ids, past_key_values=loaded.cache)
-                            finally:
-                                loaded.close()
-
-                        seconds = _timed(where, run)
-                        _check(prefix[0], reference)
-                        return seconds, prefix[0].chunks
-
-                    def first_with_save(length: int = length) -> float:
-                        fresh = prompt(length)
-                        seconds = _timed(where, lambda: connector.generate(fresh, max_new_tokens=1, do_sample=False))
-                        store.flush()
-                        return seconds
-
-                    recompute = min(_timed(where, lambda ids=ids: generate(ids)) for _ in range(repeats))
-                    for _ in range(repeats):  # the planner's prefill rate, measured as the connector runs
-                        connector.generate(prompt(length), max_new_tokens=1, do_sample=False, save=False)
-                    hit = min(gpu_hit() for _ in range(repeats))
-                    dram = [kvstore(False) for _ in range(repeats)]
-                    disk = [kvstore(True) for _ in range(repeats)]
-                    saved = min(first_with_save() for _ in range(repeats))
-                    chunks = length // layout.chunk_tokens
-                    rows.append(
-                        TTFTRow(
-                            shape, length, recompute, hit, min(s for s, _ in dram), min(s for s, _ in disk), saved,
-                            min(n for _, n in dram), min(n for _, n in disk), chunks, chunks * chunk_bytes,
-                        )  # fmt: skip
-                    )
-                    del reference, floor_cache
-        del model
-        if where.type == "cuda":
-            torch.cuda.empty_cache()
+                recompute = min(_timed(where, lambda ids=ids: generate(ids)) for _ in range(repeats))
+                for _ in range(repeats):  # the planner's prefill rate, measured as the connector runs
+                    connector.generate(prompt(length), max_new_tokens=1, do_sample=False, save=False)
+                hit = min(gpu_hit() for _ in range(repeats))
+                dram = [kvstore(False) for _ in range(repeats)]
+                disk = [kvstore(True) for _ in range(repeats)]
+                saved = min(first_with_save() for _ in range(repeats))
+                chunks = length // layout.chunk_tokens
+                rows.append(
+                    TTFTRow(
+                        shape,
+                        length,
+                        recompute,
+                        hit,
+                        min(s for s, _ in dram),
+                        min(s for s, _ in disk),
+                        saved,
+                        min(n for _, n in dram),
+                        min(n for _, n in disk),
+                        chunks,
+                        chunks * chunk_bytes,
+                    )  # fmt: skip
+                )
+                del reference, floor_cache
     return rows
 
 

@@ -16,9 +16,10 @@ since a chunk's share of a layer is a strided slice of the engine's tensor), and
 layer of it has arrived verified, the store publishes the slot and queues it for the faster
 tiers it skipped (``StreamSources.promote``). Nothing of a chunk whose stream failed or closed
 early is promoted. The exception: a chunk read from a local tier (disk) into the caller's CPU
-outputs (``outs``) whose planes are contiguous is read straight into them (one vectored read per layer, then its checksum:
-no staging copy), and once the stream has it whole the store admits it to DRAM in the background,
-re-reading the file from the page cache, as ``get_many`` does (``StreamSources.admit``). A stream holds its staging slots for its whole life, so across all streams
+outputs (``outs``) whose planes are contiguous is read straight into them (one vectored read per
+layer, then its checksum: no staging copy), and once the stream has it whole the store admits it
+to DRAM in the background, re-reading the file from the page cache, as ``get_many`` does
+(``StreamSources.admit``). A stream holds its staging slots for its whole life, so across all streams
 of a store they are at most half the pool (:class:`StagingShare`: the engine's puts keep the
 rest). A chunk with no staging slot is read as without promotion, and its promotion is dropped
 and counted.
@@ -407,7 +408,9 @@ class LayerStream:
                 target = stage if stage is not None else torch.empty(layout.layer_shape, dtype=layout.dtype)
                 hosts.append(target)
             if reader.is_local:
-                local.append((reader, target, stage, parts[index] if parts is not None and self._direct[index] else None))
+                local.append(
+                    (reader, target, stage, parts[index] if parts is not None and self._direct[index] else None)
+                )
             else:
                 reads.append(self._read(reader, layer, target, stage, index))
         # DRAM copies and file reads of this layer in as many thread calls as read_threads allows
@@ -505,7 +508,7 @@ _LocalRead = tuple[LayerReader, torch.Tensor, "torch.Tensor | None", "list[memor
 
 
 def _chunk_parts(out: torch.Tensor, chunks: int) -> list[list[memoryview]] | None:
-    """Per chunk, its planes' bytes in ``out`` (``[planes, chunks * tokens, ...]``), if ``out`` is contiguous CPU memory.
+    """Per chunk, its planes' bytes in ``out`` (``[planes, chunks * tokens, ...]``) if that is contiguous CPU memory.
 
     One byte view of the layer, sliced: each chunk's share of a plane is a contiguous run of it.
     """

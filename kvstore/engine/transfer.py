@@ -135,7 +135,9 @@ class DeviceTransfers:
                 target.copy_(source, non_blocking=True)
             return _record(stream)
 
-    def upload_layer(self, out: torch.Tensor, sources: Sequence[torch.Tensor], scratch: torch.Tensor | None) -> Completion:
+    def upload_layer(
+        self, out: torch.Tensor, sources: Sequence[torch.Tensor], scratch: torch.Tensor | None
+    ) -> Completion:
         """One layer of ``len(sources)`` chunks into ``out``: chunk i's ``[planes, tokens, heads, dim]`` lands in
         ``out[:, i * tokens : (i + 1) * tokens]`` (``out`` is ``[planes, n * tokens, heads, dim]``, any strides).
 
@@ -171,7 +173,9 @@ class DeviceTransfers:
         with torch.cuda.stream(self.stream(out.device, "h2d")):
             return torch.empty((chunks, planes, tokens, *rest), dtype=out.dtype, device=out.device)
 
-    def download(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], ready: Completion | None = None) -> Completion:
+    def download(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], ready: Completion | None = None
+    ) -> Completion:
         """Copy each ``(host target, device source)``, after ``ready`` (the producer's event; default: the
         calling thread's current stream). The targets (pinned DRAM slots) must not be read or reused
         until the completion; the sources are kept from torch's allocator until then (``record_stream``).
