@@ -52,14 +52,23 @@ def model_order_outs(count: int, device: str) -> tuple[list[torch.Tensor], list[
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_layer_of_chunks_lands_in_strided_outputs(device):
+def test_runs_of_layers_land_in_strided_outputs(device):
     transfers = DeviceTransfers()
     chunks = [chunk(i) for i in range(3)]
     _, outs = model_order_outs(3, device)
-    sources = [c[1].pin_memory() if device == "cuda" else c[1] for c in chunks]
-    done = transfers.upload_layer(outs[1], sources, transfers.scratch_for(outs[1], 3))
+    sources = [c[1:4].pin_memory() if device == "cuda" else c[1:4] for c in chunks]  # layers 1 to 3
+    scratch = transfers.scratch_for(outs[1], 3, layers=4)
+    completions = transfers.upload_layers(outs[1:4], sources, scratch)
+    assert len(completions) == 3
+    completions[-1].wait_on_current_stream()
+    for layer in (1, 2, 3):
+        assert same(outs[layer].cpu(), expected_layer(chunks, layer))
+    assert not outs[0].any() and not outs[4].any()
+    done = transfers.upload_layers(
+        outs[4:5], [c[4:5].pin_memory() if device == "cuda" else c[4:5] for c in chunks], scratch
+    )[0]  # reused scratch
     done.wait_on_current_stream()
-    assert same(outs[1].cpu(), expected_layer(chunks, 1))
+    assert same(outs[4].cpu(), expected_layer(chunks, 4))
     landing = [torch.empty(LAYOUT.layer_shape, dtype=LAYOUT.dtype) for _ in range(3)]
     back = transfers.download([(landing[i], outs[1][:, i * 32 : (i + 1) * 32]) for i in range(3)])
     back.synchronize()
@@ -130,9 +139,9 @@ async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path)
     held = HeldEvent()
 
     class Slow(DeviceTransfers):
-        def upload_layer(self, out, sources, scratch):  # the copies are queued, not done
-            super().upload_layer(out, sources, scratch)
-            return Completion(held)  # type: ignore[arg-type]
+        def upload_layers(self, outs, sources, scratch):  # the copies are queued, not done
+            super().upload_layers(outs, sources, scratch)
+            return [Completion(held) for _ in outs]  # type: ignore[arg-type]
 
     chunks = [chunk(i) for i in range(2)]
     async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
@@ -205,3 +214,21 @@ def test_the_device_benchmarks_run_on_the_cpu(tmp_path):
     assert (row.chunks, row.loaded_dram) == (2, 2)  # the planner loads from DRAM until it measures it slower
     with pytest.raises(ValueError, match="MODEL:TOKENS"):
         parse_cases("70B:8192")
+
+
+async def test_a_stream_from_redis_into_device_buffers_is_exact_and_promoted(tmp_path, request, monkeypatch):
+    """A remote tier's layers are read one by one into the promotion slot, then cross the bus."""
+    from test_prefetch_promotion import remote_only, remote_section
+
+    section = remote_section(request, monkeypatch, "redis")
+    keys, chunks = await remote_only(tmp_path, section, 3)
+    async with KVStore(config(tmp_path, **section), LAYOUT, "prefetch") as store:  # the namespace fill() wrote
+        store.transfers.host_as_device = True
+        _, outs = model_order_outs(3, "cpu")
+        async with store.prefetch(keys, depth=3, outs=outs) as stream:
+            async for layer, kv in stream:
+                assert same(kv, expected_layer(chunks, layer))
+        stats = store.stats()
+        assert stats["redis"]["hits"] == 3 and stats["store"]["stream_promoted"] == 3
+        await store.flush()
+        assert store.pool.stats()["referenced"] == 0

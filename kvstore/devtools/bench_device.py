@@ -70,6 +70,11 @@ async def bench_paths(
     raw_in = timed(lambda: _copy_all(outs, hosts))  # host to device (or memcpy)
     # the stream's baseline: the bus on a GPU; on the CPU a plain gather of each layer of each chunk into place
     gather = timed(lambda: _gather(layer_outs, hosts)) if not pinned else raw_in
+    # the stream's copy pattern alone, no kvstore: one copy per chunk and layer (1 MiB for Llama-3-8B)
+    pieces = [torch.empty_like(hosts[0][0], device=target_device) for _ in range(chunks)]
+    raw_pieces = timed(
+        lambda: [_copy_all(pieces, [host[layer] for host in hosts]) for layer in range(layout.num_layers)]
+    )
     raw_out = timed(lambda: _copy_all(landing, sources))  # device to host
     raw_label = "pinned copy_(non_blocking) H2D" if pinned else "memcpy"
     rows: list[Row] = []
@@ -131,6 +136,9 @@ async def bench_paths(
                     base, mine = await _best_pair(gather, stream, repeats)
                     label = raw_label if pinned else "gather"
                     rows.append(Row(layout_name, "stream DRAM -> outs", total, mine, base, label))
+                    if pinned:  # what the copy pattern alone costs: the part of the stream's gap that is the bus's
+                        base, mine = await _best_pair(raw_in, raw_pieces, repeats)
+                        rows.append(Row(layout_name, "raw H2D, a copy per chunk-layer", total, mine, base, raw_label))
                     _check_layers(layer_outs, hosts)
                     continue
                 disk_get, disk_stream = from_disk(get_many), from_disk(stream)

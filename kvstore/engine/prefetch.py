@@ -60,6 +60,7 @@ from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
 
 log = logging.getLogger("kvstore.prefetch")
+UPLOAD_BYTES = 4 << 20  # into device outputs, a chunk's layers cross the bus in copies of about this size
 
 
 class StagingShare:
@@ -154,7 +155,7 @@ class LayerStream:
         # Per layer, when its copies into device outputs end (DONE on the CPU): what consumers wait on.
         self.completions: list[Completion] = [DONE] * layout.num_layers
         self._last_upload = DONE  # the latest layer's: the slots copied from are held until it is done
-        self._scratch: torch.Tensor | None = None  # device staging of one layer (DeviceTransfers.upload_layer)
+        self._scratch: torch.Tensor | None = None  # device staging of a run of layers (DeviceTransfers.upload_layers)
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
         # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
@@ -263,12 +264,12 @@ class LayerStream:
 
     async def _produce(self) -> None:
         layer = 0
-        ahead: asyncio.Task[torch.Tensor] | None = None  # the next layer's fetch, started early (see _overlaps)
+        ahead: tuple[asyncio.Task[list[torch.Tensor]], int] | None = None  # the next fetch, started early (_overlaps)
         try:
             await self._open_sources()
             self._reserve_staging()
-            overlaps = self._overlaps()
-            for layer in range(self.num_layers):
+            overlaps, step = self._overlaps(), self._layers_per_fetch()
+            while layer < self.num_layers:
                 while layer >= self._allowed():
                     if self._closing:
                         raise asyncio.CancelledError
@@ -280,11 +281,18 @@ class LayerStream:
                         await self._wanted.wait()
                     finally:
                         self._parked = False
-                fetch, ahead = ahead or asyncio.create_task(self._fetch(layer)), None
-                if overlaps and layer + 1 < min(self.num_layers, self._allowed()):
-                    ahead = asyncio.create_task(self._fetch(layer + 1))
-                self._arrive(layer, await fetch)
-                if layer + 1 == self.num_layers:
+                if ahead is None:
+                    count = min(step, self._allowed() - layer, self.num_layers - layer)
+                    ahead = asyncio.create_task(self._fetch(layer, count)), count
+                (fetch, count), ahead = ahead, None
+                following = layer + count
+                if overlaps and following < min(self.num_layers, self._allowed()):
+                    more = min(step, self._allowed() - following, self.num_layers - following)
+                    ahead = asyncio.create_task(self._fetch(following, more)), more
+                for index, out in enumerate(await fetch, start=layer):
+                    self._arrive(index, out)
+                layer = following
+                if layer == self.num_layers:
                     self._promote()  # no await before it: a consumer closing the stream now cannot stop it
                 await asyncio.sleep(0)  # let waiters in between layers
         except asyncio.CancelledError:
@@ -297,8 +305,8 @@ class LayerStream:
         finally:
             try:
                 if ahead is not None:  # its threads must end before the slots and files are let go
-                    ahead.cancel()
-                    await asyncio.gather(ahead, return_exceptions=True)
+                    ahead[0].cancel()
+                    await asyncio.gather(ahead[0], return_exceptions=True)
             finally:
                 self._release()
 
@@ -307,6 +315,13 @@ class LayerStream:
         thread calls of two layers then keep the I/O threads (and the bus) busy across the wait between layers;
         a remote reader reads its layers in order, so a stream with one does not."""
         return all(reader is None or reader.is_local for reader in self._readers)
+
+    def _layers_per_fetch(self) -> int:
+        """Layers fetched together: 1, or into device outputs from DRAM and local tiers, enough that each chunk
+        crosses the bus in one copy of about UPLOAD_BYTES (a remote reader reads its layers one by one)."""
+        if not self._on_device or not self._overlaps():
+            return 1
+        return max(1, min(self.num_layers, -(-UPLOAD_BYTES // self._sources.layout.layer_nbytes)))
 
     def _arrive(self, layer: int, outcome: torch.Tensor | BaseException) -> None:
         future = self._ready[layer]
@@ -380,59 +395,70 @@ class LayerStream:
             else:
                 promote(key, reader.tier, slot)
 
-    async def _fetch(self, layer: int) -> torch.Tensor:
-        """Layer ``layer`` of every chunk, concatenated along the token axis.
+    async def _fetch(self, first: int, count: int) -> list[torch.Tensor]:
+        """Layers ``first`` to ``first + count - 1`` of every chunk, each concatenated along the token axis.
 
-        CPU outputs: each chunk is copied or read into its place. Device outputs: each chunk's layer
-        is first in host memory (its DRAM slot; its promotion slot, or a temporary, for a chunk read
-        from a tier), then the layer crosses the bus in one batch of asynchronous copies.
+        CPU outputs (one layer at a time): each chunk is copied or read into its place. Device outputs:
+        each chunk's layers are first in host memory (a run of its DRAM slot; of its promotion slot, or a
+        temporary, for a chunk read from a tier), then cross the bus, one copy per chunk.
         """
         layout, pool = self._sources.layout, self._sources.pool
-        out = self._outs[layer] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
+        layers = range(first, first + count)
+        outs = [
+            self._outs[i] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype) for i in layers
+        ]
         tokens = layout.chunk_tokens
-        hosts: list[torch.Tensor] = []  # device outputs: each chunk's layer in host memory, in order
-        parts = _chunk_parts(out, len(self._keys)) if any(self._direct) else None
-        reads, local, copies = [], [], []
-        chunks = zip(self._slots, self._readers, self._staging, strict=True)
-        for index, (slot, reader, staging) in enumerate(chunks):
-            target = out[:, index * tokens : (index + 1) * tokens]
-            if slot is not None:
-                if self._on_device:
-                    hosts.append(pool.tensor(slot)[layer])
+        hosts: list[torch.Tensor] = []  # device outputs: each chunk's layers in host memory, in order
+        reads = []
+        for j, (layer, out) in enumerate(zip(layers, outs, strict=True)):
+            parts = _chunk_parts(out, len(self._keys)) if any(self._direct) else None
+            local, copies = [], []
+            chunks = zip(self._slots, self._readers, self._staging, strict=True)
+            for index, (slot, reader, staging) in enumerate(chunks):
+                target = out[:, index * tokens : (index + 1) * tokens]
+                if slot is not None:
+                    if not self._on_device:
+                        copies.append((target, pool.tensor(slot)[layer]))
+                    elif j == 0:
+                        hosts.append(pool.tensor(slot)[first : first + count])
+                    continue
+                assert reader is not None
+                stage = pool.tensor(staging)[layer] if staging is not None else None
+                if self._on_device:  # read into host memory (a temporary, pageable, if no slot: a synchronous upload)
+                    if j == 0:
+                        run = (count, *layout.layer_shape)
+                        hosts.append(
+                            pool.tensor(staging)[first : first + count]
+                            if staging is not None
+                            else torch.empty(run, dtype=layout.dtype)
+                        )
+                    target = hosts[index][j]
+                if reader.is_local:
+                    direct = parts[index] if parts is not None and self._direct[index] else None
+                    local.append((reader, target, stage, direct))
                 else:
-                    copies.append((target, pool.tensor(slot)[layer]))
-                continue
-            assert reader is not None
-            stage = pool.tensor(staging)[layer] if staging is not None else None
-            if self._on_device:  # read into host memory; a temporary (pageable: its upload is synchronous) if no slot
-                target = stage if stage is not None else torch.empty(layout.layer_shape, dtype=layout.dtype)
-                hosts.append(target)
-            if reader.is_local:
-                local.append(
-                    (reader, target, stage, parts[index] if parts is not None and self._direct[index] else None)
-                )
-            else:
-                reads.append(self._read(reader, layer, target, stage, index))
-        # DRAM copies and file reads of this layer in as many thread calls as read_threads allows
-        groups = max(1, min(self._sources.read_threads, len(local)))
-        if local or copies:
-            reads.extend(self._read_local(local[g::groups], copies if g == 0 else [], layer) for g in range(groups))
+                    reads.append(self._read(reader, layer, target, stage, index))
+            # DRAM copies and file reads of this layer in as many thread calls as read_threads allows
+            groups = max(1, min(self._sources.read_threads, len(local)))
+            if local or copies:
+                reads.extend(self._read_local(local[g::groups], copies if g == 0 else [], layer) for g in range(groups))
         errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
         if errors:  # the first chunk that failed, whichever failed first in time
             raise min(errors, key=lambda e: e.chunk if isinstance(e, PrefetchError) and e.chunk is not None else -1)
         if self._on_device:
-            self.completions[layer] = self._upload(out, hosts)
-        return out
+            self.completions[first : first + count] = self._upload(outs, hosts)
+        return outs
 
-    def _upload(self, out: torch.Tensor, hosts: list[torch.Tensor]) -> Completion:
-        """Queue one layer's copies to the device, on the loop: a copy's launch costs microseconds (a thread hop
-        per layer left the bus idle between layers: 0.47x of raw H2D on an H100). The slots copied from are
-        held until the latest copy issued has completed (one stream: it completes after every earlier one)."""
+    def _upload(self, outs: list[torch.Tensor], hosts: list[torch.Tensor]) -> list[Completion]:
+        """Queue the copies of a run of layers to the device, on the loop: a copy's launch costs microseconds (a
+        thread hop per layer left the bus idle between layers: 0.47x of raw H2D on an H100). The slots copied
+        from are held until the latest copy issued has completed (one stream: it completes after every earlier one)."""
         transfers = self._sources.transfers
-        if self._scratch is None:  # once per stream, not per layer; reused by every layer (one stream, in order)
-            self._scratch = transfers.scratch_for(out, len(hosts))
-        self._last_upload = transfers.upload_layer(out, hosts, self._scratch)
-        return self._last_upload
+        if self._scratch is None:  # once per stream, reused by every run of layers (one stream, in order)
+            self._scratch = transfers.scratch_for(outs[0], len(hosts), self._layers_per_fetch())
+        completions = transfers.upload_layers(outs, hosts, self._scratch)
+        self._last_upload = completions[-1]
+        return completions
 
     async def _read_local(
         self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int

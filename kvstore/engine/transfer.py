@@ -88,7 +88,7 @@ def ready_on_current_stream(device: torch.device) -> Completion:
 class DeviceTransfers:
     """The copy streams of one store (per CUDA device and direction), and the thread that watches their events.
 
-    ``upload``/``upload_layer`` copy host to device, ``download`` device to host; each returns at once
+    ``upload``/``upload_layers`` copy host to device, ``download`` device to host; each returns at once
     with the copies queued on the direction's stream and a :class:`Completion`. Thread-safe: streams
     are made under a lock, and a copy may be issued from any thread (the stream is set per call).
     """
@@ -135,35 +135,40 @@ class DeviceTransfers:
                 target.copy_(source, non_blocking=True)
             return _record(stream)
 
-    def upload_layer(
-        self, out: torch.Tensor, sources: Sequence[torch.Tensor], scratch: torch.Tensor | None
-    ) -> Completion:
-        """One layer of ``len(sources)`` chunks into ``out``: chunk i's ``[planes, tokens, heads, dim]`` lands in
-        ``out[:, i * tokens : (i + 1) * tokens]`` (``out`` is ``[planes, n * tokens, heads, dim]``, any strides).
+    def upload_layers(
+        self, outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], scratch: torch.Tensor | None
+    ) -> list[Completion]:
+        """Consecutive layers of ``len(sources)`` chunks into ``outs``, one completion per layer.
 
-        On a device, each chunk is one contiguous copy into ``scratch`` (``[n, planes, tokens, heads, dim]``
-        on the device, from :meth:`scratch_for`; it may be reused at once for the next layer: both run on
-        the same stream, in order) and one copy on the device puts the layer in place; on the CPU, each
-        chunk is copied straight into its place.
+        ``sources[i]`` is chunk i's ``[len(outs), planes, tokens, heads, dim]`` in host memory (a run of its
+        DRAM slot); its layer j lands in ``outs[j][:, i * tokens : (i + 1) * tokens]`` (each out is
+        ``[planes, n * tokens, heads, dim]``, any strides). On a device, each chunk is one contiguous copy into
+        ``scratch`` (from :meth:`scratch_for`; reusable at once by the next call: one stream, in order), a
+        run of layers rather than one, as each copy costs the copy engine a setup besides its bytes; then
+        one copy on the device per layer puts it in place. On the CPU, each piece is copied into place.
         """
         count = len(sources)
-        if not is_device(out):
-            tokens = out.shape[1] // max(1, count)
-            for index, source in enumerate(sources):
-                copy_between(out[:, index * tokens : (index + 1) * tokens], source)
-            return DONE
-        assert scratch is not None and scratch.shape[0] >= count
-        stream = self.stream(out.device, "h2d")
+        if not is_device(outs[0]):
+            tokens = outs[0].shape[1] // max(1, count)
+            for layer, out in enumerate(outs):
+                for index, source in enumerate(sources):
+                    copy_between(out[:, index * tokens : (index + 1) * tokens], source[layer])
+            return [DONE] * len(outs)
+        assert scratch is not None and scratch.shape[0] >= count and scratch.shape[1] >= len(outs)
+        stream = self.stream(outs[0].device, "h2d")
+        completions = []
         with torch.cuda.stream(stream):
             for index, source in enumerate(sources):
-                scratch[index].copy_(source, non_blocking=True)
-            placed = out.unflatten(1, (count, out.shape[1] // count))  # [planes, n, tokens, heads, dim]
-            placed.copy_(scratch[:count].transpose(0, 1))
-            out.record_stream(stream)  # freed early (a request that ended), its memory waits for this copy
-            return _record(stream)
+                scratch[index, : len(outs)].copy_(source, non_blocking=True)
+            for layer, out in enumerate(outs):
+                placed = out.unflatten(1, (count, out.shape[1] // count))  # [planes, n, tokens, heads, dim]
+                placed.copy_(scratch[:count, layer].transpose(0, 1))
+                out.record_stream(stream)  # freed early (a request that ended), its memory waits for this copy
+                completions.append(_record(stream))
+        return completions
 
-    def scratch_for(self, out: torch.Tensor, chunks: int) -> torch.Tensor | None:
-        """A device buffer for :meth:`upload_layer` into layers like ``out`` (None on the CPU: not needed).
+    def scratch_for(self, out: torch.Tensor, chunks: int, layers: int = 1) -> torch.Tensor | None:
+        """A device buffer for :meth:`upload_layers` of up to ``layers`` layers like ``out`` (None on the CPU).
 
         Allocated on the upload stream, so torch's allocator orders its reuse after the copies into it.
         """
@@ -171,7 +176,7 @@ class DeviceTransfers:
             return None
         planes, tokens, rest = out.shape[0], out.shape[1] // chunks, tuple(out.shape[2:])
         with torch.cuda.stream(self.stream(out.device, "h2d")):
-            return torch.empty((chunks, planes, tokens, *rest), dtype=out.dtype, device=out.device)
+            return torch.empty((chunks, layers, planes, tokens, *rest), dtype=out.dtype, device=out.device)
 
     def download(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], ready: Completion | None = None
