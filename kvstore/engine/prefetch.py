@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.engine.dram import SlabPool
-from kvstore.engine.transfer import DONE, Completion, DeviceTransfers
+from kvstore.engine.transfer import DONE, Completion, DeviceTransfers, UploadScratch
 from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -155,7 +155,7 @@ class LayerStream:
         # Per layer, when its copies into device outputs end (DONE on the CPU): what consumers wait on.
         self.completions: list[Completion] = [DONE] * layout.num_layers
         self._last_upload = DONE  # the latest layer's: the slots copied from are held until it is done
-        self._scratch: torch.Tensor | None = None  # device staging of a run of layers (DeviceTransfers.upload_layers)
+        self._scratch: UploadScratch | None = None  # device staging of runs of layers (DeviceTransfers.upload_layers)
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
         # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
