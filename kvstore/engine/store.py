@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -118,7 +119,7 @@ class KVStore:
             self._stream_promote,
             admit=self._stream_admit,
             transfers=self.transfers,
-            read_threads=config.io_threads,
+            read_threads=min(config.io_threads, os.cpu_count() or 1),  # more threads than cores only add hops
         )
         self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []

@@ -67,6 +67,7 @@ from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner, PrefillClock
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore
+from kvstore.engine.transfer import Completion, ready_on_current_stream
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
 
@@ -84,8 +85,11 @@ log = logging.getLogger("kvstore.connectors.vllm")
 SPARE_CHUNKS = 8  # staging buffers kept between steps (a long prefill step may need more, briefly)
 
 
-async def _put_all(store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]]) -> list[bool]:
-    return [await store.put(key, chunk) for key, chunk in chunks]
+async def _put_all(
+    store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]], ready: Completion | None = None
+) -> list[bool]:
+    """One ``put_many``: chunks on a GPU cross the bus as one batch, after ``ready`` (the engine's stream)."""
+    return await store.put_many([key for key, _ in chunks], [chunk for _, chunk in chunks], ready=ready)
 
 
 @dataclass
@@ -477,10 +481,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             layer.gather(tables[group], chunk[index, :, first_row:])
 
     def _new_chunk(self) -> torch.Tensor:
-        """A staging buffer for this rank's heads of one chunk (all heads without tensor parallelism)."""
+        """A staging buffer for this rank's heads of one chunk (all heads without tensor parallelism).
+
+        On the GPU cache's device when there is one and no tensor parallelism (whose ranks send their heads
+        over CPU tensors): the gather stays on the device and ``put`` copies the chunk out asynchronously
+        (kvstore.engine.transfer). Such a buffer is not kept for reuse: torch's allocator hands its memory
+        out again only once that copy has read it.
+        """
         layers, planes, tokens, heads, head_dim = self.layout.chunk_shape
         shape = (layers, planes, tokens, self.ranks.head_count(heads), head_dim)
-        return torch.empty(shape, dtype=self.layout.dtype)
+        device = self._layers[0].device if self._layers and self.ranks.size == 1 else torch.device("cpu")
+        return torch.empty(shape, dtype=self.layout.dtype, device=device if device.type == "cuda" else "cpu")
 
     def wait_for_save(self) -> None:
         self._layer_loads.end_step()
@@ -496,14 +507,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if chunks:
             try:  # one hop to kvstore's loop for all of them; each put copies into its DRAM tier
                 assert self.store is not None  # chunks to put are on the reading rank only
-                saved = self.store.submit(_put_all(self.store.store, chunks)).result()
+                ready = ready_on_current_stream(chunks[0][1].device)  # the gathers queued on this thread's stream
+                saved = self.store.submit(_put_all(self.store.store, chunks, ready)).result()
             except Exception as exc:  # a save is best effort: a missed one is a future cache miss
                 log.warning("kvstore: saving %d chunks failed: %r", len(chunks), exc)
                 saved = [False] * len(chunks)
             self.counters["saved_chunks"] += sum(saved)
             self.counters["save_rejected"] += len(chunks) - sum(saved)
         # The staging buffers are free again (put copied them): keep a few for the next steps (each once).
-        spare = {id(chunk): chunk for _, chunk in staged}
+        spare = {id(chunk): chunk for _, chunk in staged if chunk.device.type == "cpu"}
         self._spare_chunks.extend(list(spare.values())[: max(0, SPARE_CHUNKS - len(self._spare_chunks))])
         self._staging.clear()
 
