@@ -32,12 +32,13 @@ class PrefetchError(KVStoreError, RuntimeError):
     """A layer of a layer stream could not be loaded (and nor can any later one): recompute the prefix.
 
     ``chunk``: the index (in the stream's keys) of the first chunk that failed, when known; the
-    chunks before it were sound, so an engine may keep them and recompute from there.
+    chunks before it were sound, so an engine may keep them and recompute from there. ``layer``:
+    the layer that failed, when known.
     """
 
-    def __init__(self, *args: object, chunk: int | None = None) -> None:
+    def __init__(self, *args: object, chunk: int | None = None, layer: int | None = None) -> None:
         super().__init__(*args)
-        self.chunk = chunk
+        self.chunk, self.layer = chunk, layer
 
 
 class LayerTimeout(PrefetchError, TimeoutError):

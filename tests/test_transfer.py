@@ -232,3 +232,31 @@ async def test_a_stream_from_redis_into_device_buffers_is_exact_and_promoted(tmp
         assert stats["redis"]["hits"] == 3 and stats["store"]["stream_promoted"] == 3
         await store.flush()
         assert store.pool.stats()["referenced"] == 0
+
+
+async def test_a_corrupt_layer_read_in_place_fails_from_that_layer_only(tmp_path):
+    """Layers read in runs (one vectored read per chunk): those before the bad one still arrive, exact."""
+    from test_prefetch_failed_chunk import flip_layer
+
+    from kvstore.errors import PrefetchError
+
+    chunks = [chunk(i) for i in range(2)]
+    async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
+        keys = keys_of(store, 2)
+        await store.put_many(keys, chunks)
+        await store.flush()
+        for key in keys:
+            store.pool.discard(key)
+        path = store.tiers[0].backend.path_for(keys[1])
+        path.write_bytes(flip_layer(bytearray(path.read_bytes()), keys[1], 4))  # layer 4 of chunk 1
+        shape = (LAYOUT.kv_planes, 2 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        outs = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+        async with store.prefetch(keys, depth=LAYOUT.num_layers, outs=outs) as stream:
+            for layer in range(4):
+                assert same(await stream.layer(layer), expected_layer(chunks, layer))
+            for layer in (4, 5):
+                with pytest.raises(PrefetchError, match="layer 4 of chunk") as failed:
+                    await stream.layer(layer)
+                assert failed.value.chunk == 1 and failed.value.layer == 4
+        assert store.stats()["disk"]["corrupt"] == 1
+        assert not path.exists(), "the corrupt chunk is removed"

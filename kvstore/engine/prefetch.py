@@ -41,6 +41,7 @@ which left a producer waiting forever for a consumer that was gone).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -60,6 +61,7 @@ from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread
 
 log = logging.getLogger("kvstore.prefetch")
+FETCHES_IN_FLIGHT = 2  # runs of layers being read at once where _overlaps allows (3 and 4 measured no faster)
 UPLOAD_BYTES = 4 << 20  # into device outputs, a chunk's layers cross the bus in copies of about this size
 
 
@@ -264,7 +266,8 @@ class LayerStream:
 
     async def _produce(self) -> None:
         layer = 0
-        ahead: tuple[asyncio.Task[list[torch.Tensor]], int] | None = None  # the next fetch, started early (_overlaps)
+        # fetches started, in layer order: (task, layers); more than one only where _overlaps allows
+        started: collections.deque[tuple[asyncio.Task[list[torch.Tensor]], int]] = collections.deque()
         try:
             await self._open_sources()
             self._reserve_staging()
@@ -281,15 +284,23 @@ class LayerStream:
                         await self._wanted.wait()
                     finally:
                         self._parked = False
-                if ahead is None:
-                    count = min(step, self._allowed() - layer, self.num_layers - layer)
-                    ahead = asyncio.create_task(self._fetch(layer, count)), count
-                (fetch, count), ahead = ahead, None
+                following = layer + sum(count for _, count in started)  # the first layer not yet being fetched
+                while following < min(self.num_layers, self._allowed()) and (
+                    not started or (overlaps and len(started) < FETCHES_IN_FLIGHT)
+                ):
+                    count = min(step, self._allowed() - following, self.num_layers - following)
+                    started.append((asyncio.create_task(self._fetch(following, count)), count))
+                    following += count
+                fetch, count = started.popleft()
                 following = layer + count
-                if overlaps and following < min(self.num_layers, self._allowed()):
-                    more = min(step, self._allowed() - following, self.num_layers - following)
-                    ahead = asyncio.create_task(self._fetch(following, more)), more
-                for index, out in enumerate(await fetch, start=layer):
+                try:
+                    fetched = await fetch
+                except _RunFailed as failed:  # the layers before the one that failed are sound: delivered
+                    for index, out in enumerate(failed.good, start=layer):
+                        self._arrive(index, out)
+                    layer += len(failed.good)
+                    raise failed.error from None
+                for index, out in enumerate(fetched, start=layer):
                     self._arrive(index, out)
                 layer = following
                 if layer == self.num_layers:
@@ -304,9 +315,9 @@ class LayerStream:
                 self._arrive(index, error)
         finally:
             try:
-                if ahead is not None:  # its threads must end before the slots and files are let go
-                    ahead[0].cancel()
-                    await asyncio.gather(ahead[0], return_exceptions=True)
+                for task, _ in started:  # their threads must end before the slots and files are let go
+                    task.cancel()
+                await asyncio.gather(*(task for task, _ in started), return_exceptions=True)
             finally:
                 self._release()
 
@@ -317,9 +328,10 @@ class LayerStream:
         return all(reader is None or reader.is_local for reader in self._readers)
 
     def _layers_per_fetch(self) -> int:
-        """Layers fetched together: 1, or into device outputs from DRAM and local tiers, enough that each chunk
-        crosses the bus in one copy of about UPLOAD_BYTES (a remote reader reads its layers one by one)."""
-        if not self._on_device or not self._overlaps():
+        """Layers fetched together: 1, or from DRAM and local tiers into device outputs or in place into CPU
+        outputs, enough that each chunk moves about UPLOAD_BYTES at once: one copy across the bus, one vectored
+        file read (a remote reader reads its layers one by one)."""
+        if not (self._on_device or any(self._direct)) or not self._overlaps():
             return 1
         return max(1, min(self.num_layers, -(-UPLOAD_BYTES // self._sources.layout.layer_nbytes)))
 
@@ -410,9 +422,10 @@ class LayerStream:
         tokens = layout.chunk_tokens
         hosts: list[torch.Tensor] = []  # device outputs: each chunk's layers in host memory, in order
         reads = []
+        local: dict[int, list[_LocalRead]] = {}  # per chunk read from a local tier: its layers' reads, in order
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j, (layer, out) in enumerate(zip(layers, outs, strict=True)):
             parts = _chunk_parts(out, len(self._keys)) if any(self._direct) else None
-            local, copies = [], []
             chunks = zip(self._slots, self._readers, self._staging, strict=True)
             for index, (slot, reader, staging) in enumerate(chunks):
                 target = out[:, index * tokens : (index + 1) * tokens]
@@ -435,16 +448,24 @@ class LayerStream:
                     target = hosts[index][j]
                 if reader.is_local:
                     direct = parts[index] if parts is not None and self._direct[index] else None
-                    local.append((reader, target, stage, direct))
+                    local.setdefault(index, []).append((reader, layer, target, stage, direct))
                 else:
                     reads.append(self._read(reader, layer, target, stage, index))
-            # DRAM copies and file reads of this layer in as many thread calls as read_threads allows
-            groups = max(1, min(self._sources.read_threads, len(local)))
-            if local or copies:
-                reads.extend(self._read_local(local[g::groups], copies if g == 0 else [], layer) for g in range(groups))
+        # DRAM copies and file reads in as many thread calls as read_threads allows; a chunk's layers in one
+        files = list(local.values())
+        groups = max(1, min(self._sources.read_threads, len(files)))
+        if files or copies:
+            for g in range(groups):
+                items = [item for chunk in files[g::groups] for item in chunk]
+                reads.append(self._read_local(items, copies[g::groups] if files else copies))
+                if not files:
+                    break
         errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
-        if errors:  # the first chunk that failed, whichever failed first in time
-            raise min(errors, key=lambda e: e.chunk if isinstance(e, PrefetchError) and e.chunk is not None else -1)
+        if errors:  # the first layer that failed, and of it the first chunk: the layers before it are sound
+            error = min(errors, key=_failed_where)
+            bad = error.layer if isinstance(error, PrefetchError) and error.layer is not None else first
+            good = [] if self._on_device else outs[: bad - first]  # device outputs: not uploaded
+            raise _RunFailed(error, good)
         if self._on_device:
             self.completions[first : first + count] = self._upload(outs, hosts)
         return outs
@@ -460,27 +481,32 @@ class LayerStream:
         self._last_upload = completions[-1]
         return completions
 
-    async def _read_local(
-        self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int
-    ) -> None:
-        """DRAM copies (``(target, source)``) and file reads of one layer, in one worker-thread call.
+    async def _read_local(self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """DRAM copies (``(target, source)``) and file reads, in one worker-thread call.
+
+        A chunk's consecutive layers read straight into the caller's memory are one vectored read.
 
         In a worker, not on the loop: the loop thread then sits in ``select`` while the bytes move,
         and an engine thread woken by the previous layer gets the GIL at once instead of waiting
         up to a switch interval (5 ms) for a loop thread that copies layer after layer.
         """
         executor, layout = self._sources.executor, self._sources.layout
-        outcomes = await in_thread(executor, _read_files, items, copies, layer, layout)
-        failed = None
-        for (reader, _, _, _), outcome in zip(items, outcomes, strict=True):
+        outcomes = await in_thread(executor, _read_files, items, copies, layout)
+        failed: tuple[int, int, LayerReader] | None = None  # (layer, chunk) first, and its reader
+        accounted: set[int] = set()
+        for (reader, layer, _, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
                 reader.count(layer)
-            else:
+                continue
+            if id(reader) not in accounted:  # a chunk's failure counts once, at its first bad layer
+                accounted.add(id(reader))
                 await reader.tier.account(reader.key, outcome)  # counted; a corrupt file is removed
-                failed = failed or reader
+            chunk = next(index for index, held in enumerate(self._readers) if held is reader)
+            failed = min(failed, (layer, chunk, reader), key=lambda f: f[:2]) if failed else (layer, chunk, reader)
         if failed is not None:
-            chunk = next(index for index, held in enumerate(self._readers) if held is failed)
-            raise PrefetchError(f"layer {layer} of chunk {failed.key[:16]}... could not be read from disk", chunk=chunk)
+            layer, chunk, reader = failed
+            message = f"layer {layer} of chunk {reader.key[:16]}... could not be read from disk"
+            raise PrefetchError(message, chunk=chunk, layer=layer)
 
     async def _read(
         self, reader: LayerReader, layer: int, target: torch.Tensor, stage: torch.Tensor | None, chunk: int
@@ -497,14 +523,14 @@ class LayerStream:
                     ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
         except TierSkipped:
             raise PrefetchError(
-                f"layer {layer} of {where} skipped: the tier's circuit breaker is open", chunk=chunk
+                f"layer {layer} of {where} skipped: the tier's circuit breaker is open", chunk=chunk, layer=layer
             ) from None
         except TimeoutError:
             reader.tier.stats.timeouts += 1
-            raise PrefetchError(f"layer {layer} of {where} timed out", chunk=chunk) from None
+            raise PrefetchError(f"layer {layer} of {where} timed out", chunk=chunk, layer=layer) from None
         if not ok:
             raise PrefetchError(
-                f"layer {layer} of {where} could not be read (counted in the tier's stats)", chunk=chunk
+                f"layer {layer} of {where} could not be read (counted in the tier's stats)", chunk=chunk, layer=layer
             )
         if contiguous is not target:
             copy_between(target, contiguous)
@@ -529,8 +555,23 @@ class LayerStream:
         sources.transfers.after(self._last_upload, release, asyncio.get_running_loop())
 
 
-# reader, target, promotion slot's layer, the target's planes as bytes (read straight into them) or None
-_LocalRead = tuple[LayerReader, torch.Tensor, "torch.Tensor | None", "list[memoryview] | None"]
+# reader, layer, target, promotion slot's layer, the target's planes as bytes (read straight into them) or None
+_LocalRead = tuple[LayerReader, int, torch.Tensor, "torch.Tensor | None", "list[memoryview] | None"]
+
+
+class _RunFailed(Exception):
+    """A run of layers failed at ``error``'s layer; ``good`` are the outputs of the layers before it, complete."""
+
+    def __init__(self, error: Exception, good: list[torch.Tensor]) -> None:
+        super().__init__(error)
+        self.error, self.good = error, good
+
+
+def _failed_where(error: BaseException) -> tuple[int, int]:
+    """The (layer, chunk) a failure names (unknown parts first: they are reported as they are)."""
+    if isinstance(error, PrefetchError):
+        return (-1 if error.layer is None else error.layer, -1 if error.chunk is None else error.chunk)
+    return (-1, -1)
 
 
 def _chunk_parts(out: torch.Tensor, chunks: int) -> list[list[memoryview]] | None:
@@ -556,13 +597,28 @@ def _contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KV
 
 
 def _read_files(
-    items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layer: int, layout: KVLayout
+    items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
 ) -> list[Exception | None]:
-    """One layer of DRAM chunks and several open files (in a worker thread); per file, the error or None."""
+    """DRAM copies and reads of open files (in a worker thread); per read, the error or None.
+
+    Consecutive items of one reader read straight into the caller's memory are one vectored read.
+    """
     for target, source in copies:
         copy_between(target, source)
     outcomes: list[Exception | None] = []
-    for reader, target, stage, parts in items:
+    start = 0
+    while start < len(items):
+        reader, layer, target, stage, parts = items[start]
+        end = start + 1
+        while parts is not None and end < len(items) and items[end][0] is reader and items[end][4] is not None:
+            if items[end][1] != items[end - 1][1] + 1:
+                break
+            end += 1
+        if end - start > 1:
+            outcomes.extend(reader.read_local_run(layer, [item[4] for item in items[start:end]]))  # type: ignore[misc]
+            start = end
+            continue
+        start = end
         contiguous = target if parts is not None else _contiguous_for(target, stage, layout)
         try:
             reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])

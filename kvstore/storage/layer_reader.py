@@ -180,6 +180,47 @@ class LayerReader:
                 part[:] = whole[offset : offset + len(part)]
                 offset += len(part)
 
+    def read_local_run(self, first: int, parts: list[list[memoryview]]) -> list[Exception | None]:
+        """Layers ``first``, ``first + 1``, ... into ``parts[0]``, ``parts[1]``, ... (blocking; a worker thread's).
+
+        A plain chunk's consecutive segments are one vectored read, then a checksum per layer; per layer,
+        None or the error (a layer after a failed one may still be sound: each is judged on its own bytes).
+        """
+        assert self._file is not None
+        segments = self.header.segments[first : first + len(parts)]
+        sizes = [sum(len(part) for part in layer_parts) for layer_parts in parts]
+        contiguous = all(a.offset + a.stored_len == b.offset for a, b in zip(segments, segments[1:], strict=False))
+        if (
+            not self.header.plain
+            or not contiguous
+            or any(s.stored_len != n for s, n in zip(segments, sizes, strict=True))
+        ):
+            return [self._read_one(first + k, layer_parts) for k, layer_parts in enumerate(parts)]
+        got = self._file.readinto(
+            [part for layer_parts in parts for part in layer_parts], self.header.header_len + segments[0].offset
+        )
+        outcomes: list[Exception | None] = []
+        end = 0
+        for k, (segment, layer_parts) in enumerate(zip(segments, parts, strict=True)):
+            end += segment.stored_len
+            if got < end:
+                outcomes.append(ChunkFormatError(f"layer {first + k} is truncated"))
+                continue
+            try:
+                verify_segment(self.header, first + k, layer_parts)
+            except ChunkFormatError as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(None)
+        return outcomes
+
+    def _read_one(self, layer: int, parts: list[memoryview]) -> Exception | None:
+        try:
+            self.read_local(layer, parts)
+        except Exception as exc:
+            return exc
+        return None
+
     def close(self) -> None:
         """Release the file (or the segments fetched ahead, cancelling a read-ahead in flight); idempotent."""
         if self._ahead is not None:
