@@ -162,16 +162,21 @@ async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path)
         assert store.pool.stats()["referenced"] == 0
 
 
+async def on_disk_only(store: KVStore, chunks: list[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    """``chunks`` put, written to disk and dropped from DRAM; their keys, and contiguous CPU outputs for them."""
+    keys = keys_of(store, len(chunks))
+    await store.put_many(keys, chunks)
+    await store.flush()
+    for key in keys:
+        store.pool.discard(key)
+    shape = (LAYOUT.kv_planes, len(chunks) * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return keys, [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+
+
 async def test_a_stream_from_disk_into_cpu_outputs_reads_in_place_and_admits_after(tmp_path):
     chunks = [chunk(i) for i in range(3)]
     async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
-        keys = keys_of(store, 3)
-        await store.put_many(keys, chunks)
-        await store.flush()
-        for key in keys:
-            store.pool.discard(key)
-        shape = (LAYOUT.kv_planes, 3 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-        outs = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
+        keys, outs = await on_disk_only(store, chunks)
         async for layer, kv in store.prefetch(keys, depth=3, outs=outs):
             assert kv is outs[layer] and same(kv, expected_layer(chunks, layer))
         await store.flush()  # the admissions to DRAM that follow the stream
@@ -242,15 +247,9 @@ async def test_a_corrupt_layer_read_in_place_fails_from_that_layer_only(tmp_path
 
     chunks = [chunk(i) for i in range(2)]
     async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
-        keys = keys_of(store, 2)
-        await store.put_many(keys, chunks)
-        await store.flush()
-        for key in keys:
-            store.pool.discard(key)
+        keys, outs = await on_disk_only(store, chunks)
         path = store.tiers[0].backend.path_for(keys[1])
         path.write_bytes(flip_layer(bytearray(path.read_bytes()), keys[1], 4))  # layer 4 of chunk 1
-        shape = (LAYOUT.kv_planes, 2 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-        outs = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
         async with store.prefetch(keys, depth=LAYOUT.num_layers, outs=outs) as stream:
             for layer in range(4):
                 assert same(await stream.layer(layer), expected_layer(chunks, layer))
