@@ -259,3 +259,51 @@ async def test_a_corrupt_layer_read_in_place_fails_from_that_layer_only(tmp_path
                 assert failed.value.chunk == 1 and failed.value.layer == 4
         assert store.stats()["disk"]["corrupt"] == 1
         assert not path.exists(), "the corrupt chunk is removed"
+
+
+class FailedEvent(HeldEvent):
+    """A copy that fails on the device."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (a test's)")
+
+
+def held_downloads(store: KVStore, event: HeldEvent) -> None:
+    """The store's puts of device chunks end when ``event`` says so (queued, then done or failed)."""
+
+    class Held(DeviceTransfers):
+        def download(self, pairs, ready=None):  # the copies are made, their completion is the test's
+            super().download(pairs, ready)
+            return Completion(event)  # type: ignore[arg-type]
+
+    store.transfers = Held(host_as_device=True)
+
+
+async def test_a_put_is_found_once_its_copy_completes_and_a_cancelled_flush_loses_nothing(tmp_path):
+    held = HeldEvent()
+    async with KVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "transfer") as store:
+        held_downloads(store, held)
+        keys = keys_of(store, 2)
+        assert await store.put_many(keys, [chunk(0), chunk(1)]) == [True, True]
+        assert not store.pool.contains(keys[0]), "published before its copy completed"
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(store.flush(), 0.05)  # a caller that gives up on the flush
+        held.finished.set()
+        await asyncio.wait_for(store.flush(), 10)
+        assert all(store.pool.contains(key) for key in keys) and store.pool.stats()["referenced"] == 0
+        assert same(await store.get(keys[1]), chunk(1))
+
+
+async def test_a_failed_device_copy_publishes_nothing_and_keeps_its_slots(tmp_path, caplog):
+    async with KVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "transfer") as store:
+        held_downloads(store, FailedEvent())
+        keys = keys_of(store, 2)
+        assert await store.put_many(keys, [chunk(0), chunk(1)]) == [True, True]
+        await asyncio.wait_for(store.flush(), 10)  # told of the failure: it does not wait forever
+        assert not any(store.pool.contains(key) for key in keys)
+        assert store.stats()["store"]["put_rejected"] == 2
+        assert store.pool.stats()["referenced"] == 2, "memory under a failed copy is never handed back"
+        assert "a device copy failed" in caplog.text

@@ -17,7 +17,7 @@ layer of it has arrived verified, the store publishes the slot and queues it for
 tiers it skipped (``StreamSources.promote``). Nothing of a chunk whose stream failed or closed
 early is promoted. The exception: a chunk read from a local tier (disk) into the caller's CPU
 outputs (``outs``) whose planes are contiguous is read straight into them (one vectored read per
-layer, then its checksum: no staging copy), and once the stream has it whole the store admits it
+run of its layers, then a checksum per layer: no staging copy), and once the stream has it whole the store admits it
 to DRAM in the background, re-reading the file from the page cache, as ``get_many`` does
 (``StreamSources.admit``). A stream holds its staging slots for its whole life, so across all streams
 of a store they are at most half the pool (:class:`StagingShare`: the engine's puts keep the
@@ -131,8 +131,15 @@ class LayerStream:
     """
 
     def __init__(
-        self, sources: StreamSources, keys: Sequence[ChunkKey], depth: int, outs: Sequence[torch.Tensor] | None
+        self,
+        sources: StreamSources,
+        keys: Sequence[ChunkKey],
+        depth: int,
+        outs: Sequence[torch.Tensor] | None,
+        ready: Completion | None = None,
     ) -> None:
+        """``ready``: with device ``outs``, the consumer's stream when it handed them over (its work may still
+        read that memory): the copies into ``outs`` wait for it."""
         layout = sources.layout
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
@@ -158,6 +165,8 @@ class LayerStream:
         self.completions: list[Completion] = [DONE] * layout.num_layers
         self._last_upload = DONE  # the latest layer's: the slots copied from are held until it is done
         self._scratch: UploadScratch | None = None  # device staging of runs of layers (DeviceTransfers.upload_layers)
+        self._consumer_ready = ready
+        self._accounted: set[int] = set()  # readers whose failure the tier has counted (once per chunk)
         self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
         self._wanted = asyncio.Event()
         # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
@@ -201,7 +210,14 @@ class LayerStream:
         if not completion.done():
             loop = asyncio.get_running_loop()
             finished: asyncio.Future[None] = loop.create_future()
-            self._sources.transfers.after(completion, lambda: finished.done() or finished.set_result(None), loop)
+
+            def failed(error: BaseException) -> None:
+                if not finished.done():
+                    finished.set_exception(PrefetchError(f"the copies of layer {index} failed: {error!r}"))
+
+            self._sources.transfers.after(
+                completion, lambda: finished.done() or finished.set_result(None), loop, failed
+            )
             await finished
 
     def request(self, index: int) -> None:
@@ -380,7 +396,9 @@ class LayerStream:
         """A DRAM slot per chunk read from a tier, where its layers are assembled for promotion.
 
         None past the store's staging share or with every slot referenced (see StagingShare): that chunk
-        is read straight into the engine's tensor and its promotion dropped (counted when promoted).
+        is read through a temporary (into device outputs: pageable, so its copy to the device is
+        synchronous) and its promotion dropped (counted when promoted). None too for chunks read in
+        place into CPU outputs (``_direct``): those are admitted to DRAM after the stream instead.
         """
         sources = self._sources
         self._staging = [None] * len(self._keys)
@@ -476,7 +494,7 @@ class LayerStream:
         from are held until the latest copy issued has completed (one stream: it completes after every earlier one)."""
         transfers = self._sources.transfers
         if self._scratch is None:  # once per stream, reused by every run of layers (one stream, in order)
-            self._scratch = transfers.scratch_for(outs[0], len(hosts), self._layers_per_fetch())
+            self._scratch = transfers.scratch_for(outs[0], len(hosts), self._layers_per_fetch(), self._consumer_ready)
         completions = transfers.upload_layers(outs, hosts, self._scratch)
         self._last_upload = completions[-1]
         return completions
@@ -493,13 +511,12 @@ class LayerStream:
         executor, layout = self._sources.executor, self._sources.layout
         outcomes = await in_thread(executor, _read_files, items, copies, layout)
         failed: tuple[int, int, LayerReader] | None = None  # (layer, chunk) first, and its reader
-        accounted: set[int] = set()
         for (reader, layer, _, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
                 reader.count(layer)
                 continue
-            if id(reader) not in accounted:  # a chunk's failure counts once, at its first bad layer
-                accounted.add(id(reader))
+            if id(reader) not in self._accounted:  # a chunk's failure counts once (runs in flight may both see it)
+                self._accounted.add(id(reader))
                 await reader.tier.account(reader.key, outcome)  # counted; a corrupt file is removed
             chunk = next(index for index, held in enumerate(self._readers) if held is reader)
             failed = min(failed, (layer, chunk, reader), key=lambda f: f[:2]) if failed else (layer, chunk, reader)
@@ -615,7 +632,10 @@ def _read_files(
                 break
             end += 1
         if end - start > 1:
-            outcomes.extend(reader.read_local_run(layer, [item[4] for item in items[start:end]]))  # type: ignore[misc]
+            try:
+                outcomes.extend(reader.read_local_run(layer, [item[4] for item in items[start:end]]))  # type: ignore[misc]
+            except Exception as exc:  # the read itself failed (an I/O error): every layer of the run with it
+                outcomes.extend([exc] * (end - start))
             start = end
             continue
         start = end

@@ -42,7 +42,7 @@ from kvstore.engine.operations import TierOperations
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
 from kvstore.engine.prefetch import LayerStream, StreamSources
 from kvstore.engine.stats import StoreLatency
-from kvstore.engine.transfer import Completion, DeviceTransfers
+from kvstore.engine.transfer import Completion, DeviceTransfers, ready_on_current_stream
 from kvstore.errors import StoreClosedError, TierTimeout
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
@@ -265,9 +265,32 @@ class KVStore:
         for key, kv in zip(keys, kvs, strict=True):
             key_to_bytes(key)
             self._check_chunk(kv, "kv")
+        devices = {kv.device for kv in kvs if self.transfers.crosses_bus(kv)}
+        if len(devices) > 1:
+            raise ValueError(f"put_many: chunks on several devices ({sorted(map(str, devices))}); one call per device")
         accepted: list[bool] = []
         downloads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot, device chunk)
         landing: list[tuple[ChunkKey, int, Sequence[ChunkTier]]] = []  # what to publish once they are in
+        try:
+            await self._put_each(keys, kvs, accepted, downloads, landing)
+        except BaseException:
+            for _, slot, _ in landing:  # reserved for copies never issued
+                self.pool.release(slot)
+            raise
+        if downloads:
+            self._download(downloads, landing, ready)
+        await asyncio.sleep(0)  # let the cascade workers start this write while the engine goes on
+        return accepted
+
+    async def _put_each(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        accepted: list[bool],
+        downloads: list[tuple[torch.Tensor, torch.Tensor]],
+        landing: list[tuple[ChunkKey, int, Sequence[ChunkTier]]],
+    ) -> None:
+        """Each chunk into a slot: CPU chunks copied now, device chunks noted for one batch of copies."""
         for key, kv in zip(keys, kvs, strict=True):
             self._counters["puts"] += 1
             if self.pool.contains(key):
@@ -293,10 +316,6 @@ class KVStore:
                 self._publish(key, slot, below)
             finally:
                 self.pool.release(slot)
-        if downloads:
-            self._download(downloads, landing, ready)
-        await asyncio.sleep(0)  # let the cascade workers start this write while the engine goes on
-        return accepted
 
     def _download(
         self,
@@ -319,9 +338,23 @@ class KVStore:
                         self.pool.release(slot)
             finally:
                 self._device_puts.discard(landed)
+                if not landed.done():
+                    landed.set_result(None)
+
+        def failed(error: BaseException) -> None:  # a device error: nothing published, the slots stay held
+            self._counters["put_rejected"] += len(landing)
+            self._device_puts.discard(landed)
+            if not landed.done():
                 landed.set_result(None)
 
-        self.transfers.after(self.transfers.download(pairs, ready), publish, loop)
+        try:
+            copies = self.transfers.download(pairs, ready)
+        except BaseException:  # nothing was queued (a device error at launch): the slots are free again
+            for _, slot, _ in landing:
+                self.pool.release(slot)
+            failed(RuntimeError("the copies could not be queued"))
+            raise
+        self.transfers.after(copies, publish, loop, failed)
 
     def _publish(self, key: ChunkKey, slot: int, below: Sequence[ChunkTier]) -> None:
         """A filled slot (referenced by the caller): findable under ``key``, and queued for the tiers ``below``."""
@@ -563,18 +596,27 @@ class KVStore:
         return self.sizing_advice(bounds)[0]
 
     def prefetch(
-        self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        depth: int = 2,
+        outs: Sequence[torch.Tensor] | None = None,
+        ready: Completion | None = None,
     ) -> LayerStream:
         """Stream ``keys``' chunks layer by layer, ``depth`` layers ahead of the consumer.
 
         ``async for layer, kv in store.prefetch(keys[:n])``: ``kv`` is layer ``layer`` of all
         chunks, ``[planes, n * chunk_tokens, heads, head_dim]`` (into ``outs[layer]`` if given).
         A layer that cannot be loaded raises :class:`kvstore.engine.prefetch.PrefetchError`.
+        CUDA ``outs`` are written only after the work queued so far on this thread's current stream
+        (``ready``, recorded by :class:`SyncKVStore` on the engine's thread), which may still read them.
         """
         self._check_open()
         for key in keys:
             key_to_bytes(key)
-        stream = LayerStream(self._stream_sources, keys, depth, outs)
+        if ready is None and outs:
+            ready = ready_on_current_stream(outs[0].device)
+        stream = LayerStream(self._stream_sources, keys, depth, outs, ready)
         self._streams.add(stream)  # store.close() closes the streams still open
         return stream
 
@@ -584,7 +626,7 @@ class KVStore:
         Chunks ``get_many`` read into the caller's buffers are admitted to DRAM first (they may queue writes),
         and puts of device tensors wait for their copies into DRAM.
         """
-        await asyncio.gather(*list(self._device_puts))
+        await asyncio.gather(*(asyncio.shield(landed) for landed in list(self._device_puts)))
         await self._loader.settle()
         await asyncio.gather(*(queue.join() for queue in self._queues))
 

@@ -61,7 +61,8 @@ class SyncKVStore:
 
     def put_many(self, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> list[bool]:
         """``KVStore.put_many`` (one hop to the loop for all of them); device tensors as in :meth:`put`."""
-        ready = ready_on_current_stream(kvs[0].device) if kvs else None
+        device = next((kv.device for kv in kvs if kv.device.type == "cuda"), None)
+        ready = ready_on_current_stream(device) if device is not None else None
         return self._call(self.store.put_many(keys, kvs, ready=ready))
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
@@ -93,7 +94,8 @@ class SyncKVStore:
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
     ) -> SyncLayerStream:
         """The layer stream for engine threads: ``stream.wait_layer(i)`` blocks until layer i is in."""
-        stream = self._call(_on_loop(lambda: self.store.prefetch(keys, depth=depth, outs=outs)))
+        ready = ready_on_current_stream(outs[0].device) if outs else None  # this thread's stream, not the loop's
+        stream = self._call(_on_loop(lambda: self.store.prefetch(keys, depth=depth, outs=outs, ready=ready)))
         return SyncLayerStream(self, stream)
 
     def flush(self, timeout: float | None = None) -> None:

@@ -21,6 +21,9 @@ CPU tensors take the same functions: the copies are plain (one thread, :func:`co
 the completion is :data:`DONE`. Callers choose their device path with :meth:`DeviceTransfers.crosses_bus`;
 ``DeviceTransfers(host_as_device=True)`` answers True for CPU tensors too, so the CPU test suite runs
 every caller's device path (staging in host memory, deferred releases, completions), only without events.
+
+One path does not come here: ``get_many`` into CUDA tensors copies each chunk synchronously out of its
+slot while the call holds it (0.95x of the bus on an H100; the call returns with the data in place).
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ class Completion:
         return self.event is None or self.event.query()
 
     def wait_on_current_stream(self) -> None:
-        if self.event is not None:
-            self.event.wait()  # torch.cuda.current_stream() (of the current device) waits for the event
+        if isinstance(self.event, torch.cuda.Event):  # the current stream of the event's device
+            self.event.wait(torch.cuda.current_stream(self.event.device))
+        elif self.event is not None:  # an event-like object of a test
+            self.event.wait()
 
     def synchronize(self) -> None:
         if self.event is not None:
@@ -177,13 +182,20 @@ class DeviceTransfers:
         scratch.placed(completions[-1])
         return completions
 
-    def scratch_for(self, out: torch.Tensor, chunks: int, layers: int = 1) -> UploadScratch | None:
+    def scratch_for(
+        self, out: torch.Tensor, chunks: int, layers: int = 1, ready: Completion | None = None
+    ) -> UploadScratch | None:
         """Device buffers for :meth:`upload_layers` of up to ``layers`` layers like ``out`` (None on the CPU).
 
-        Allocated on the upload stream, so torch's allocator orders their reuse after the copies into them.
+        Two buffers of ``chunks * layers`` chunk-layers each (8 MiB a chunk for Llama-3-8B: 1 GiB for a 32K
+        prompt, while it loads). Allocated on the upload stream, so torch's allocator orders their reuse after
+        the copies into them. ``ready``: the consumer's stream when it handed over its outputs (memory it may
+        still be reading, freed and handed out again): the placing stream waits for it before its first copy.
         """
         if not is_device(out):
             return None
+        if ready is not None and isinstance(ready.event, torch.cuda.Event):
+            self.stream(out.device, "place").wait_event(ready.event)
         planes, tokens, rest = out.shape[0], out.shape[1] // chunks, tuple(out.shape[2:])
         shape = (chunks, layers, planes, tokens, *rest)
         with torch.cuda.stream(self.stream(out.device, "h2d")):
@@ -215,22 +227,32 @@ class DeviceTransfers:
 
     # -- completion ------------------------------------------------------------------------------
 
-    def after(self, completion: Completion, callback: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+    def after(
+        self,
+        completion: Completion,
+        callback: Callable[[], None],
+        loop: asyncio.AbstractEventLoop,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """Run ``callback`` on ``loop`` once ``completion`` is done (at once, inline, if it already is).
 
         Called on ``loop``'s thread. Never blocks: the waiting happens in this object's waiter thread.
-        A callback whose loop has closed meanwhile is dropped (the store that owned the memory is gone).
+        If the copies fail (a device error), ``on_error`` runs on the loop instead: whoever waits is
+        told, and the memory under the copies is never handed back (it may still be in use). A
+        callback whose loop has closed meanwhile, or asked for after :meth:`close`, is dropped (the
+        store that owned the memory is gone).
         """
         if completion.done():
             callback()
             return
         with self._lock:
             if self._closed:
-                raise RuntimeError("the store's transfers are closed")
+                log.debug("a copy's callback after the store's transfers closed: dropped")
+                return
             if self._waiter is None:
                 self._waiter = threading.Thread(target=self._wait, name="kvstore-transfers", daemon=True)
                 self._waiter.start()
-        self._pending.put((completion, callback, loop))
+        self._pending.put((completion, callback, loop, on_error))
 
     def _wait(self) -> None:
         """The waiter thread: block on each completion in turn, then post its callback to the loop."""
@@ -238,16 +260,22 @@ class DeviceTransfers:
             item = self._pending.get()
             if item is None:
                 return
-            completion, callback, loop = item
+            completion, callback, loop, on_error = item
             try:
                 completion.synchronize()
-            except Exception:  # a device error: the memory may still be in use, so it is never handed back
+            except Exception as exc:  # a device error: the memory may still be in use, so it is never handed back
                 log.exception("a device copy failed; its DRAM slots stay held")
+                if on_error is not None:
+                    self._post(loop, on_error, exc)
                 continue
-            try:
-                loop.call_soon_threadsafe(callback)
-            except RuntimeError:  # the loop closed
-                continue
+            self._post(loop, callback)
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed
+            pass
 
     def close(self) -> None:
         """Stop the waiter thread once the completions queued before are handled (non-blocking)."""
@@ -282,7 +310,7 @@ class UploadScratch:
         self._placed[(self._turn - 1) % len(self.buffers)] = completion.event
 
 
-_Waiting = tuple[Completion, Callable[[], None], asyncio.AbstractEventLoop]
+_Waiting = tuple[Completion, Callable[[], None], asyncio.AbstractEventLoop, "Callable[[BaseException], None] | None"]
 
 
 def _record(stream: torch.cuda.Stream) -> Completion:
