@@ -58,3 +58,30 @@ def copy_bandwidth() -> float:
             target.copy_(source)
         _copy_rate = 4 * source.numel() / max(1e-6, time.perf_counter() - start)
     return _copy_rate
+
+
+_bus_rate: float | None = None
+
+
+def bus_bandwidth() -> float | None:
+    """Bytes per second of pinned host memory to the current CUDA device, measured once per process (~20 ms).
+
+    What a chunk costs to load from the DRAM pool into a GPU engine: the seed of the load planner's DRAM
+    estimate there, a memcpy's rate being another path's (until the connector's own loads are measured).
+    None without CUDA, or if the measurement fails.
+    """
+    global _bus_rate
+    if _bus_rate is None and torch.cuda.is_available():
+        try:
+            source = torch.ones(16 << 20, dtype=torch.uint8).pin_memory()
+            target = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+            target.copy_(source, non_blocking=True)  # the first copy sets things up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(4):
+                target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize()
+            _bus_rate = 4 * source.numel() / max(1e-6, time.perf_counter() - start)
+        except RuntimeError:  # a device that cannot be used here: the memcpy seed stands
+            return None
+    return _bus_rate

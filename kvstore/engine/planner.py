@@ -100,8 +100,10 @@ def _ewma(current: float, sample: float, seen: int) -> float:
 class LoadPlanner:
     """Online estimates of each tier and of the engine's prefill, and the plans made from them.
 
-    ``chunk_nbytes``/``chunk_tokens``: the layout's chunk; ``dram_bytes_per_s``: a copy out of the
-    DRAM pool (measured once per process, :func:`kvstore.engine.costs.copy_bandwidth`).
+    ``chunk_nbytes``/``chunk_tokens``: the layout's chunk; ``dram_bytes_per_s``: the seed of DRAM's
+    estimate, measured once per process (:func:`kvstore.engine.costs.bus_bandwidth` where the pool is
+    pinned for a GPU, else :func:`kvstore.engine.costs.copy_bandwidth`); the loads a connector times
+    (``observe_read(DRAM, ...)``) then move it.
     """
 
     def __init__(self, config: PlannerConfig, chunk_nbytes: int, chunk_tokens: int, dram_bytes_per_s: float) -> None:
@@ -197,10 +199,10 @@ class LoadPlanner:
             estimate = self.estimate(tier, True if local is None else local[k - 1])
             count = used.get(tier, 0)
             # One more chunk from this tier: its bytes, and the request's latency if it is the tier's first.
-            # A tier none of whose loads was measured yet costs its latency only: a seed never refuses
-            # a hit (else the tier would never be read, and never measured). DRAM too: its seed is a
-            # memcpy, and a GPU engine loads from it over the bus, at another rate (issue 26).
-            transfer = self.chunk_nbytes / estimate.bytes_per_s if estimate.reads else 0.0
+            # A tier none of whose reads was measured yet costs its latency only: a seed never refuses
+            # a hit (else the tier would never be read, and never measured). DRAM is always counted: its
+            # seed is measured on this machine (the bus to a GPU, or a memcpy), then its loads' rate.
+            transfer = self.chunk_nbytes / estimate.bytes_per_s if estimate.reads or tier == DRAM else 0.0
             load += transfer + (estimate.latency_s if count == 0 else 0.0)
             used[tier] = count + 1
             saving = k * per_chunk - load

@@ -35,7 +35,7 @@ from kvstore.backends import make_backend
 from kvstore.codecs import make_codec
 from kvstore.config import StoreConfig
 from kvstore.engine import metrics
-from kvstore.engine.costs import copy_bandwidth, measured_costs
+from kvstore.engine.costs import bus_bandwidth, copy_bandwidth, measured_costs
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.loads import Deadline, TierLoader, releaser
 from kvstore.engine.operations import TierOperations
@@ -127,7 +127,9 @@ class KVStore:
         self._operations = TierOperations()  # each bounded by its timeout, tracked until it really ends
         self._loader = TierLoader(self.pool, self.tiers, self._operations, self._enqueue)
         self.latency = StoreLatency()  # per lookup/get call; each tier keeps its own (tier.latency)
-        self.planner = LoadPlanner(config.planner, layout.chunk_nbytes, layout.chunk_tokens, copy_bandwidth())
+        # DRAM's seed: the bus where the pool is pinned for a GPU, a memcpy elsewhere (measured loads then take over)
+        dram_rate = (bus_bandwidth() if self.pool.pinned else None) or copy_bandwidth()
+        self.planner = LoadPlanner(config.planner, layout.chunk_nbytes, layout.chunk_tokens, dram_rate)
         self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
         self._state = "new"
 

@@ -95,6 +95,22 @@ def unreachable(error: BaseException) -> bool:
     return False
 
 
+_TIMED_OUT = frozenset({"TimeoutError", "ConnectTimeoutError", "ReadTimeoutError"})
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a request that ran out of time: Python's
+    TimeoutError or a client's own (redis-py's ``TimeoutError``, botocore's ``ReadTimeoutError``)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError) or any(cls.__name__ in _TIMED_OUT for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class CircuitBreaker:
     """The state of one tier (see the module docstring for the contract)."""
 

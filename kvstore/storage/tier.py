@@ -28,7 +28,7 @@ from kvstore.codecs.base import SegmentSpec
 from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.storage.breaker import CircuitBreaker, note_failure, unreachable
+from kvstore.storage.breaker import CircuitBreaker, note_failure, timed_out, unreachable
 from kvstore.storage.container import (
     ChunkHeader,
     decode_chunk,
@@ -150,7 +150,10 @@ class ChunkTier:
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
             if isinstance(outcome, BaseException):
-                self.stats.errors += 1
+                if timed_out(outcome):  # the client's own timeout (a socket's), under the batch's
+                    self.stats.timeouts += 1
+                else:
+                    self.stats.errors += 1
                 if unreachable(outcome):  # a refused write (out of memory, denied, full) leaves reads alone
                     note_failure()
                 results.append(outcome)
