@@ -33,6 +33,10 @@ reads of the next layer go on. A layer has *arrived* when its copies are queued;
 without blocking the host). The slots a stream copies from stay referenced until its last copy has
 completed, not only until it closes.
 
+The reads of local sources themselves live in :mod:`kvstore.engine.stream_reads`; this module keeps
+the producer, its sources and the device path, which share the slot and ordering rules above (hence
+its ~580 lines).
+
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
 which left a producer waiting forever for a consumer that was gone).
@@ -51,6 +55,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.engine.dram import SlabPool
+from kvstore.engine.stream_reads import (
+    LocalRead,
+    RunFailed,
+    chunk_parts,
+    contiguous_for,
+    failed_where,
+    read_files,
+)
 from kvstore.engine.transfer import DONE, Completion, DeviceTransfers, UploadScratch
 from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
@@ -311,7 +323,7 @@ class LayerStream:
                 following = layer + count
                 try:
                     fetched = await fetch
-                except _RunFailed as failed:  # the layers before the one that failed are sound: delivered
+                except RunFailed as failed:  # the layers before the one that failed are sound: delivered
                     for index, out in enumerate(failed.good, start=layer):
                         self._arrive(index, out)
                     layer += len(failed.good)
@@ -440,10 +452,10 @@ class LayerStream:
         tokens = layout.chunk_tokens
         hosts: list[torch.Tensor] = []  # device outputs: each chunk's layers in host memory, in order
         reads = []
-        local: dict[int, list[_LocalRead]] = {}  # per chunk read from a local tier: its layers' reads, in order
+        local: dict[int, list[LocalRead]] = {}  # per chunk read from a local tier: its layers' reads, in order
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j, (layer, out) in enumerate(zip(layers, outs, strict=True)):
-            parts = _chunk_parts(out, len(self._keys)) if any(self._direct) else None
+            parts = chunk_parts(out, len(self._keys)) if any(self._direct) else None
             chunks = zip(self._slots, self._readers, self._staging, strict=True)
             for index, (slot, reader, staging) in enumerate(chunks):
                 target = out[:, index * tokens : (index + 1) * tokens]
@@ -480,10 +492,10 @@ class LayerStream:
                     break
         errors = [error for error in await asyncio.gather(*reads, return_exceptions=True) if error is not None]
         if errors:  # the first layer that failed, and of it the first chunk: the layers before it are sound
-            error = min(errors, key=_failed_where)
+            error = min(errors, key=failed_where)
             bad = error.layer if isinstance(error, PrefetchError) and error.layer is not None else first
             good = [] if self._on_device else outs[: bad - first]  # device outputs: not uploaded
-            raise _RunFailed(error, good)
+            raise RunFailed(error, good)
         if self._on_device:
             self.completions[first : first + count] = self._upload(outs, hosts)
         return outs
@@ -499,7 +511,7 @@ class LayerStream:
         self._last_upload = completions[-1]
         return completions
 
-    async def _read_local(self, items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    async def _read_local(self, items: list[LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """DRAM copies (``(target, source)``) and file reads, in one worker-thread call.
 
         A chunk's consecutive layers read straight into the caller's memory are one vectored read.
@@ -509,7 +521,7 @@ class LayerStream:
         up to a switch interval (5 ms) for a loop thread that copies layer after layer.
         """
         executor, layout = self._sources.executor, self._sources.layout
-        outcomes = await in_thread(executor, _read_files, items, copies, layout)
+        outcomes = await in_thread(executor, read_files, items, copies, layout)
         failed: tuple[int, int, LayerReader] | None = None  # (layer, chunk) first, and its reader
         for (reader, layer, _, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
@@ -529,7 +541,7 @@ class LayerStream:
         self, reader: LayerReader, layer: int, target: torch.Tensor, stage: torch.Tensor | None, chunk: int
     ) -> None:
         """One layer of a remote chunk, verified, into ``stage`` (its promotion slot) if given, and ``target``."""
-        contiguous = _contiguous_for(target, stage, self._sources.layout)
+        contiguous = contiguous_for(target, stage, self._sources.layout)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
         try:
             # Later layers ride along in the same request, and the next request starts early,
@@ -570,82 +582,3 @@ class LayerStream:
                     sources.staging.give_back(sources.pool, slot)
 
         sources.transfers.after(self._last_upload, release, asyncio.get_running_loop())
-
-
-# reader, layer, target, promotion slot's layer, the target's planes as bytes (read straight into them) or None
-_LocalRead = tuple[LayerReader, int, torch.Tensor, "torch.Tensor | None", "list[memoryview] | None"]
-
-
-class _RunFailed(Exception):
-    """A run of layers failed at ``error``'s layer; ``good`` are the outputs of the layers before it, complete."""
-
-    def __init__(self, error: Exception, good: list[torch.Tensor]) -> None:
-        super().__init__(error)
-        self.error, self.good = error, good
-
-
-def _failed_where(error: BaseException) -> tuple[int, int]:
-    """The (layer, chunk) a failure names (unknown parts first: they are reported as they are)."""
-    if isinstance(error, PrefetchError):
-        return (-1 if error.layer is None else error.layer, -1 if error.chunk is None else error.chunk)
-    return (-1, -1)
-
-
-def _chunk_parts(out: torch.Tensor, chunks: int) -> list[list[memoryview]] | None:
-    """Per chunk, its planes' bytes in ``out`` (``[planes, chunks * tokens, ...]``) if that is contiguous CPU memory.
-
-    One byte view of the layer, sliced: each chunk's share of a plane is a contiguous run of it.
-    """
-    if out.device.type != "cpu" or not out.is_contiguous():
-        return None
-    whole = tensor_bytes(out)
-    plane = len(whole) // out.shape[0]
-    share = plane // chunks
-    return [
-        [whole[p * plane + i * share : p * plane + (i + 1) * share] for p in range(out.shape[0])] for i in range(chunks)
-    ]
-
-
-def _contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KVLayout) -> torch.Tensor:
-    """Where a layer is read to: the promotion slot's layer, else ``target`` itself if contiguous, else a temporary."""
-    if stage is not None:
-        return stage
-    return target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
-
-
-def _read_files(
-    items: list[_LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
-) -> list[Exception | None]:
-    """DRAM copies and reads of open files (in a worker thread); per read, the error or None.
-
-    Consecutive items of one reader read straight into the caller's memory are one vectored read.
-    """
-    for target, source in copies:
-        copy_between(target, source)
-    outcomes: list[Exception | None] = []
-    start = 0
-    while start < len(items):
-        reader, layer, target, stage, parts = items[start]
-        end = start + 1
-        while parts is not None and end < len(items) and items[end][0] is reader and items[end][4] is not None:
-            if items[end][1] != items[end - 1][1] + 1:
-                break
-            end += 1
-        if end - start > 1:
-            try:
-                outcomes.extend(reader.read_local_run(layer, [item[4] for item in items[start:end]]))  # type: ignore[misc]
-            except Exception as exc:  # the read itself failed (an I/O error): every layer of the run with it
-                outcomes.extend([exc] * (end - start))
-            start = end
-            continue
-        start = end
-        contiguous = target if parts is not None else _contiguous_for(target, stage, layout)
-        try:
-            reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])
-        except Exception as exc:
-            outcomes.append(exc)
-            continue
-        if contiguous is not target:
-            copy_between(target, contiguous)
-        outcomes.append(None)
-    return outcomes

@@ -1,0 +1,94 @@
+"""What a layer stream's reads of local sources are: DRAM copies and file reads of runs of layers.
+
+:class:`kvstore.engine.prefetch.LayerStream` builds the work (one :data:`LocalRead` per chunk and
+layer) on the loop and runs :func:`read_files` in the store's I/O threads. A chunk's consecutive
+layers read straight into the caller's memory are one vectored read, then a checksum per layer.
+Blocking; no state of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.errors import PrefetchError
+from kvstore.layout import KVLayout
+from kvstore.storage.layer_reader import LayerReader
+from kvstore.util.buffers import copy_between, tensor_bytes
+
+# reader, layer, target, promotion slot's layer, the target's planes as bytes (read straight into them) or None
+LocalRead = tuple[LayerReader, int, torch.Tensor, "torch.Tensor | None", "list[memoryview] | None"]
+
+
+class RunFailed(Exception):
+    """A run of layers failed at ``error``'s layer; ``good`` are the outputs of the layers before it, complete."""
+
+    def __init__(self, error: Exception, good: list[torch.Tensor]) -> None:
+        super().__init__(error)
+        self.error, self.good = error, good
+
+
+def failed_where(error: BaseException) -> tuple[int, int]:
+    """The (layer, chunk) a failure names (unknown parts first: they are reported as they are)."""
+    if isinstance(error, PrefetchError):
+        return (-1 if error.layer is None else error.layer, -1 if error.chunk is None else error.chunk)
+    return (-1, -1)
+
+
+def chunk_parts(out: torch.Tensor, chunks: int) -> list[list[memoryview]] | None:
+    """Per chunk, its planes' bytes in ``out`` (``[planes, chunks * tokens, ...]``) if that is contiguous CPU memory.
+
+    One byte view of the layer, sliced: each chunk's share of a plane is a contiguous run of it.
+    """
+    if out.device.type != "cpu" or not out.is_contiguous():
+        return None
+    whole = tensor_bytes(out)
+    plane = len(whole) // out.shape[0]
+    share = plane // chunks
+    return [
+        [whole[p * plane + i * share : p * plane + (i + 1) * share] for p in range(out.shape[0])] for i in range(chunks)
+    ]
+
+
+def contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KVLayout) -> torch.Tensor:
+    """Where a layer is read to: the promotion slot's layer, else ``target`` itself if contiguous, else a temporary."""
+    if stage is not None:
+        return stage
+    return target if target.is_contiguous() else torch.empty(layout.layer_shape, dtype=layout.dtype)
+
+
+def read_files(
+    items: list[LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
+) -> list[Exception | None]:
+    """DRAM copies and reads of open files (in a worker thread); per read, the error or None.
+
+    Consecutive items of one reader read straight into the caller's memory are one vectored read.
+    """
+    for target, source in copies:
+        copy_between(target, source)
+    outcomes: list[Exception | None] = []
+    start = 0
+    while start < len(items):
+        reader, layer, target, stage, parts = items[start]
+        end = start + 1
+        while parts is not None and end < len(items) and items[end][0] is reader and items[end][4] is not None:
+            if items[end][1] != items[end - 1][1] + 1:
+                break
+            end += 1
+        if end - start > 1:
+            try:
+                outcomes.extend(reader.read_local_run(layer, [item[4] for item in items[start:end]]))  # type: ignore[misc]
+            except Exception as exc:  # the read itself failed (an I/O error): every layer of the run with it
+                outcomes.extend([exc] * (end - start))
+            start = end
+            continue
+        start = end
+        contiguous = target if parts is not None else contiguous_for(target, stage, layout)
+        try:
+            reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])
+        except Exception as exc:
+            outcomes.append(exc)
+            continue
+        if contiguous is not target:
+            copy_between(target, contiguous)
+        outcomes.append(None)
+    return outcomes
