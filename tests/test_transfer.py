@@ -17,6 +17,7 @@ from test_prefetch import LAYOUT, chunk, config, expected_layer, keys_of, same
 
 from kvstore import KVStore, SyncKVStore
 from kvstore.engine.transfer import DONE, Completion, DeviceTransfers
+from kvstore.errors import LayerTimeout
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
@@ -139,8 +140,8 @@ async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path)
     held = HeldEvent()
 
     class Slow(DeviceTransfers):
-        def upload_layers(self, outs, sources, scratch):  # the copies are queued, not done
-            super().upload_layers(outs, sources, scratch)
+        def upload_layers(self, outs, sources, scratch, before=None):  # the copies are queued, not done
+            super().upload_layers(outs, sources, scratch, before)
             return [Completion(held) for _ in outs]  # type: ignore[arg-type]
 
     chunks = [chunk(i) for i in range(2)]
@@ -203,6 +204,76 @@ def test_the_sync_facade_streams_into_device_buffers(tmp_path, device):
                 assert same(kv.cpu(), expected_layer(chunks, layer))
 
 
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-in-place"])
+@pytest.mark.parametrize("source", ["dram", "disk"])
+async def test_a_ring_of_outputs_takes_every_layer_in_turn_exactly(tmp_path, device, source):
+    """Two buffers for six layers (an engine that copies each layer on, into paged blocks): layer i lands in
+    ``outs[i % 2]``, exact, whether staged and uploaded or read in place from disk ("cpu-in-place")."""
+    chunks = [chunk(i) for i in range(3)]
+    async with device_store(tmp_path, device.removesuffix("-in-place")) as store:
+        store.transfers.host_as_device = device == "cpu"
+        keys = keys_of(store, 3)
+        await store.put_many(keys, chunks)
+        await store.flush()
+        if source == "disk":
+            for key in keys:
+                store.pool.discard(key)
+        if device == "cpu-in-place":  # contiguous CPU outputs: a local tier reads straight into them
+            shape = (LAYOUT.kv_planes, 3 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+            ring = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(2)]
+        else:
+            ring = model_order_outs(3, device)[1][:2]
+        async with store.prefetch(keys, depth=4, outs=ring) as stream:
+            async for layer, kv in stream:
+                assert kv is ring[layer % 2]
+                assert same(kv.cpu(), expected_layer(chunks, layer))
+        await store.flush()
+        assert store.pool.stats()["referenced"] == 0
+        assert all(store.pool.contains(key) for key in keys), "chunks streamed from disk are promoted or admitted"
+        with pytest.raises(ValueError, match="one per layer, or from 1 to 5"):
+            store.prefetch(keys, outs=[])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_ring_buffer_takes_its_next_layer_only_once_released(tmp_path, device):
+    chunks = [chunk(i) for i in range(2)]
+    with SyncKVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "transfer") as store:
+        store.store.transfers.host_as_device = device == "cpu"
+        keys = store.chunk_keys(keys_tokens())
+        store.put_many(keys, chunks)
+        store.flush()
+        _, outs = model_order_outs(2, device)
+        ring = outs[:2]
+        with store.prefetch(keys, depth=6, outs=ring) as stream:
+            for layer in (0, 1):
+                assert same(stream.wait_layer(layer, timeout=10).cpu(), expected_layer(chunks, layer))
+            with pytest.raises(LayerTimeout):
+                stream.wait_layer(2, timeout=0.2)  # its buffer still holds layer 0, unreleased
+            assert same(ring[0].cpu(), expected_layer(chunks, 0)), "an unreleased buffer is never overwritten"
+            for layer in range(2, LAYOUT.num_layers):
+                stream.release(layer - 2)
+                kv = stream.wait_layer(layer, timeout=10)
+                assert kv is ring[layer % 2] and same(kv.cpu(), expected_layer(chunks, layer))
+
+
+async def test_a_ring_released_ahead_never_reads_two_layers_into_one_buffer(tmp_path):
+    """A restart at layer 3 (the vLLM connector's, after a bad chunk) releases layers 0-2 unread: the layers in
+    flight still fit the ring. More would read two layers into one buffer in place, fail their checksum, and
+    delete a sound file."""
+    chunks = [chunk(i) for i in range(2)]
+    async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
+        keys, outs = await on_disk_only(store, chunks)
+        ring = outs[:2]
+        async with store.prefetch(keys, depth=LAYOUT.num_layers, outs=ring) as stream:
+            stream.release(2)
+            for layer in range(3, LAYOUT.num_layers):
+                kv = await stream.layer(layer)
+                assert kv is ring[layer % 2] and same(kv, expected_layer(chunks, layer))
+                stream.release(layer)
+        assert store.stats()["disk"]["corrupt"] == 0
+        assert all(store.tiers[0].backend.path_for(key).exists() for key in keys)
+
+
 def keys_tokens() -> list[int]:
     return list(range(2 * LAYOUT.chunk_tokens))
 
@@ -259,6 +330,33 @@ async def test_a_corrupt_layer_read_in_place_fails_from_that_layer_only(tmp_path
                 assert failed.value.chunk == 1 and failed.value.layer == 4
         assert store.stats()["disk"]["corrupt"] == 1
         assert not path.exists(), "the corrupt chunk is removed"
+
+
+async def test_a_layer_changed_in_the_callers_memory_under_its_read_is_read_again_not_deleted(
+    tmp_path, monkeypatch, caplog
+):
+    """A checksum that fails on a read in place is confirmed by a read into the reader's own memory: the file
+    is sound, so it stays, and the layer arrives exact."""
+    import kvstore.storage.layer_reader as layer_reader
+
+    verify, changed = layer_reader.verify_segment, []
+
+    def changed_under_the_read(header, layer, stored):  # the caller writes into its buffer once, at layer 2
+        if isinstance(stored, list) and layer == 2 and not changed:
+            changed.append(layer)
+            stored[0][0] ^= 0xFF
+        return verify(header, layer, stored)
+
+    monkeypatch.setattr(layer_reader, "verify_segment", changed_under_the_read)
+    chunks = [chunk(i) for i in range(2)]
+    async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
+        keys, outs = await on_disk_only(store, chunks)
+        async with store.prefetch(keys, depth=LAYOUT.num_layers, outs=outs) as stream:
+            async for layer, kv in stream:
+                assert same(kv, expected_layer(chunks, layer))
+        assert changed == [2] and "changed in the caller's memory" in caplog.text
+        assert store.stats()["disk"]["corrupt"] == 0
+        assert all(store.tiers[0].backend.path_for(key).exists() for key in keys)
 
 
 class FailedEvent(HeldEvent):

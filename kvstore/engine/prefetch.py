@@ -33,9 +33,10 @@ reads of the next layer go on. A layer has *arrived* when its copies are queued;
 without blocking the host). The slots a stream copies from stay referenced until its last copy has
 completed, not only until it closes.
 
-The reads of local sources themselves live in :mod:`kvstore.engine.stream_reads`; this module keeps
-the producer, its sources and the device path, which share the slot and ordering rules above (hence
-its ~580 lines).
+The reads of local sources themselves live in :mod:`kvstore.engine.stream_reads`, how far the producer
+may run (requests, a ring's releases) in :mod:`kvstore.engine.stream_pace`; this module keeps the
+producer, its sources and the device path, which share the slot and ordering rules above (hence its
+~580 lines).
 
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.engine.dram import SlabPool
+from kvstore.engine.stream_pace import StreamPace
 from kvstore.engine.stream_reads import (
     LocalRead,
     RunFailed,
@@ -63,7 +65,7 @@ from kvstore.engine.stream_reads import (
     failed_where,
     read_files,
 )
-from kvstore.engine.transfer import DONE, Completion, DeviceTransfers, UploadScratch
+from kvstore.engine.transfer import DONE, Completion, DeviceTransfers, UploadScratch, ready_on_current_stream
 from kvstore.errors import PrefetchError, TierSkipped
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -140,6 +142,12 @@ class LayerStream:
 
     Iterate it (``async for layer, kv in stream``) or ask for a layer (``await stream.layer(i)``);
     close it (``async with`` does) to release the DRAM slots and files it holds.
+
+    ``outs``: one tensor per layer, or a *ring* of fewer (an engine that copies each layer on, e.g. into
+    paged blocks, needs only a few layers' room): layer i lands in ``outs[i % len(outs)]`` once the consumer
+    has released layer ``i - len(outs)`` (:meth:`release`; iterating releases each layer when the next is
+    asked for). A ring's consumer must release every layer it has taken before waiting for one ``len(outs)``
+    later, or that layer never comes (a wait with a timeout ends it).
     """
 
     def __init__(
@@ -157,8 +165,11 @@ class LayerStream:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
         self.shape = (layout.kv_planes, len(keys) * layout.chunk_tokens, layout.num_kv_heads, layout.head_dim)
         if outs is not None:
-            if len(outs) != layout.num_layers:
-                raise ValueError(f"prefetch: {layout.num_layers} layers but {len(outs)} output tensors")
+            if not 1 <= len(outs) <= layout.num_layers:
+                raise ValueError(
+                    f"prefetch: {layout.num_layers} layers but {len(outs)} output tensors "
+                    f"(one per layer, or from 1 to {layout.num_layers - 1} used in turn: see LayerStream)"
+                )
             for out in outs:
                 if tuple(out.shape) != self.shape or out.dtype != layout.dtype:
                     raise ValueError(f"prefetch outputs must be {layout.dtype} tensors of shape {self.shape}")
@@ -168,6 +179,8 @@ class LayerStream:
                     )
         self._on_device = outs is not None and len(outs) > 0 and sources.transfers.crosses_bus(outs[0])
         self._sources, self._keys, self._depth, self._outs = sources, list(keys), depth, outs
+        # Fewer outputs than layers: a ring, layer i lands in outs[i % ring] once layer i - ring is released.
+        self.ring = len(outs) if outs is not None and len(outs) < layout.num_layers else 0
         loop = asyncio.get_running_loop()
         self._ready: list[asyncio.Future[torch.Tensor]] = [loop.create_future() for _ in range(layout.num_layers)]
         # The same outcomes for engine threads, readable without a hop to the loop (see SyncLayerStream).
@@ -179,12 +192,7 @@ class LayerStream:
         self._scratch: UploadScratch | None = None  # device staging of runs of layers (DeviceTransfers.upload_layers)
         self._consumer_ready = ready
         self._accounted: set[int] = set()  # readers whose failure the tier has counted (once per chunk)
-        self._requested = 0  # layers the consumer has asked for; the producer may run `depth` beyond
-        self._wanted = asyncio.Event()
-        # Requests from engine threads, without a hop to the loop per layer (see request_from_thread).
-        self._thread_requested = 0
-        self._thread_lock = threading.Lock()  # two engine threads asking at once never lower it
-        self._parked = False  # the producer waits for a request: only then must a thread wake the loop
+        self.pace = StreamPace(depth, self.ring, layout.num_layers)  # how far the producer may run
         self._closing = False
         self._slots: list[int | None] = []
         self._readers: list[LayerReader | None] = []
@@ -234,34 +242,25 @@ class LayerStream:
 
     def request(self, index: int) -> None:
         """Let the producer run up to ``index + depth`` (on the loop thread)."""
-        if index + 1 > self._requested:
-            self._requested = index + 1
-            self._wanted.set()
+        self.pace.request(index)
 
-    def request_from_thread(self, index: int) -> bool:
-        """``request`` from another thread, without touching the loop; True if the caller must wake it.
+    def release(self, index: int, after: Completion = DONE) -> None:
+        """A ring's consumer is done with layer ``index`` once ``after`` is done (on the loop thread).
 
-        Waking the loop (``call_soon_threadsafe``) costs the engine thread a GIL hand-over, up to a
-        switch interval (5 ms) while the loop thread runs, on every layer: most of what a stream
-        failed to hide. So an engine thread only records its request, and wakes the loop (posting
-        ``request(index)``) only when the producer is parked waiting for one. The two sides write
-        their flag before reading the other's (the producer ``_parked``, then the requests; a
-        thread the requests, then ``_parked``), so one of them always sees the other: a request
-        is never missed, at worst the loop is woken once for nothing.
+        Its output buffer may then take layer ``index + ring``: the copies into it wait for ``after`` (the
+        consumer's stream, whose work may still read the layer). Every layer must be released, in order,
+        before the consumer waits for the layer ``ring`` places after it; without a ring, a no-op.
         """
-        with self._thread_lock:
-            self._thread_requested = max(self._thread_requested, index + 1)
-        return self._parked
-
-    def _allowed(self) -> int:
-        """Layers the producer may have fetched: every request so far, plus ``depth``."""
-        return max(self._requested, self._thread_requested) + self._depth
+        self.pace.release(index, after)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor]]:
         """Every layer in order; leaving the loop early closes the stream."""
         try:
             for index in range(self.num_layers):
-                yield index, await self.layer(index)
+                kv = await self.layer(index)
+                yield index, kv
+                if self.ring:  # the loop's body is done with it (its device work queued on this thread's stream)
+                    self.release(index, ready_on_current_stream(kv.device))
         finally:
             await self.close()
 
@@ -273,7 +272,7 @@ class LayerStream:
         finish on its own and logged: it still releases its slots and files when it ends.
         """
         self._closing = True
-        self._wanted.set()  # a producer waiting for the consumer wakes and sees the stream closing
+        self.pace.wake()  # a producer waiting for the consumer wakes and sees the stream closing
         self._task.cancel()
         done, _ = await asyncio.wait({self._task}, timeout=self._sources.close_timeout)
         if not done:  # (the producer raises nothing but its cancellation: nothing to retrieve)
@@ -301,22 +300,13 @@ class LayerStream:
             self._reserve_staging()
             overlaps, step = self._overlaps(), self._layers_per_fetch()
             while layer < self.num_layers:
-                while layer >= self._allowed():
-                    if self._closing:
-                        raise asyncio.CancelledError
-                    self._wanted.clear()
-                    self._parked = True  # before reading the requests again: see request_from_thread
-                    try:
-                        if layer < self._allowed():
-                            break  # an engine thread asked meanwhile (and may not have seen us parked)
-                        await self._wanted.wait()
-                    finally:
-                        self._parked = False
+                await self.pace.until_allowed(layer, lambda: self._closing)
                 following = layer + sum(count for _, count in started)  # the first layer not yet being fetched
-                while following < min(self.num_layers, self._allowed()) and (
-                    not started or (overlaps and len(started) < FETCHES_IN_FLIGHT)
-                ):
-                    count = min(step, self._allowed() - following, self.num_layers - following)
+                # A ring's layers in flight stay within `ring` of the first one not yet arrived, however far the
+                # consumer has released (a restart releases layers it will not take): no two share a buffer.
+                limit = min(self.num_layers, self.pace.allowed(), layer + (self.ring or self.num_layers))
+                while following < limit and (not started or (overlaps and len(started) < FETCHES_IN_FLIGHT)):
+                    count = min(step, limit - following)
                     started.append((asyncio.create_task(self._fetch(following, count)), count))
                     following += count
                 fetch, count = started.popleft()
@@ -446,9 +436,7 @@ class LayerStream:
         """
         layout, pool = self._sources.layout, self._sources.pool
         layers = range(first, first + count)
-        outs = [
-            self._outs[i] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype) for i in layers
-        ]
+        outs = [self._out(i) if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype) for i in layers]
         tokens = layout.chunk_tokens
         hosts: list[torch.Tensor] = []  # device outputs: each chunk's layers in host memory, in order
         reads = []
@@ -497,17 +485,23 @@ class LayerStream:
             good = [] if self._on_device else outs[: bad - first]  # device outputs: not uploaded
             raise RunFailed(error, good)
         if self._on_device:
-            self.completions[first : first + count] = self._upload(outs, hosts)
+            self.completions[first : first + count] = self._upload(outs, hosts, first)
         return outs
 
-    def _upload(self, outs: list[torch.Tensor], hosts: list[torch.Tensor]) -> list[Completion]:
+    def _out(self, layer: int) -> torch.Tensor:
+        assert self._outs is not None
+        return self._outs[layer % self.ring] if self.ring else self._outs[layer]
+
+    def _upload(self, outs: list[torch.Tensor], hosts: list[torch.Tensor], first: int) -> list[Completion]:
         """Queue the copies of a run of layers to the device, on the loop: a copy's launch costs microseconds (a
         thread hop per layer left the bus idle between layers: 0.47x of raw H2D on an H100). The slots copied
         from are held until the latest copy issued has completed (one stream: it completes after every earlier one)."""
         transfers = self._sources.transfers
         if self._scratch is None:  # once per stream, reused by every run of layers (one stream, in order)
             self._scratch = transfers.scratch_for(outs[0], len(hosts), self._layers_per_fetch(), self._consumer_ready)
-        completions = transfers.upload_layers(outs, hosts, self._scratch)
+        # a ring buffer takes its next layer once the consumer's reads of its last one have ended
+        before = [self.pace.before_writing(layer) for layer in range(first, first + len(outs))]
+        completions = transfers.upload_layers(outs, hosts, self._scratch, before)
         self._last_upload = completions[-1]
         return completions
 

@@ -13,8 +13,9 @@
   timeout, so its memory is never reused under a thread that is still reading or writing it.
 
 About 650 lines on purpose: put (from CPU and device memory), lookup, get, the write cascade and the
-streams' promotions share the slot reference rules above and read best side by side; what stands alone lives beside this module (reads from
-the tiers, bounded tier operations, measured costs, layer streams, the DRAM pool, metrics).
+streams' promotions share the slot reference rules above and read best side by side; what stands
+alone lives beside this module (reads from the tiers, bounded tier operations, measured costs,
+layer streams, the DRAM pool, metrics).
 """
 
 from __future__ import annotations

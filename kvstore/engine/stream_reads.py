@@ -2,18 +2,24 @@
 
 :class:`kvstore.engine.prefetch.LayerStream` builds the work (one :data:`LocalRead` per chunk and
 layer) on the loop and runs :func:`read_files` in the store's I/O threads. A chunk's consecutive
-layers read straight into the caller's memory are one vectored read, then a checksum per layer.
+layers read straight into the caller's memory are one vectored read, then a checksum per layer; a
+layer read there that fails its checksum is read again into memory of the reader's own before the
+file is judged corrupt (and removed): the caller's memory may have changed under the first read.
 Blocking; no state of its own.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from kvstore.errors import PrefetchError
+from kvstore.errors import ChunkFormatError, PrefetchError
 from kvstore.layout import KVLayout
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.util.buffers import copy_between, tensor_bytes
+
+log = logging.getLogger("kvstore.prefetch")
 
 # reader, layer, target, promotion slot's layer, the target's planes as bytes (read straight into them) or None
 LocalRead = tuple[LayerReader, int, torch.Tensor, "torch.Tensor | None", "list[memoryview] | None"]
@@ -75,10 +81,13 @@ def read_files(
                 break
             end += 1
         if end - start > 1:
+            run = [item[4] for item in items[start:end] if item[4] is not None]  # (every one: see the loop above)
+            results: list[Exception | None]
             try:
-                outcomes.extend(reader.read_local_run(layer, [item[4] for item in items[start:end]]))  # type: ignore[misc]
+                results = reader.read_local_run(layer, run)
             except Exception as exc:  # the read itself failed (an I/O error): every layer of the run with it
-                outcomes.extend([exc] * (end - start))
+                results = [exc] * len(run)
+            outcomes.extend(_confirmed(reader, layer + k, run[k], result) for k, result in enumerate(results))
             start = end
             continue
         start = end
@@ -86,9 +95,28 @@ def read_files(
         try:
             reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])
         except Exception as exc:
-            outcomes.append(exc)
+            outcomes.append(_confirmed(reader, layer, parts, exc) if parts is not None else exc)
             continue
         if contiguous is not target:
             copy_between(target, contiguous)
         outcomes.append(None)
     return outcomes
+
+
+def _confirmed(reader: LayerReader, layer: int, parts: list[memoryview], outcome: Exception | None) -> Exception | None:
+    """The outcome of a read in place into ``parts``; a failed checksum is confirmed by a read into memory of
+    our own (a file is removed as corrupt only on that), and if that one passes its bytes are put in place."""
+    if not isinstance(outcome, ChunkFormatError):
+        return outcome
+    own = memoryview(bytearray(sum(len(part) for part in parts)))
+    try:
+        reader.read_local(layer, [own])
+    except Exception as again:
+        return again
+    log.warning("layer %d of chunk %s... changed in the caller's memory while it was read there; read again",
+                layer, reader.key[:16])  # fmt: skip
+    offset = 0
+    for part in parts:
+        part[:] = own[offset : offset + len(part)]
+        offset += len(part)
+    return None

@@ -20,7 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.engine.planner import LoadPlan
 from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.store import KVStore
-from kvstore.engine.transfer import ready_on_current_stream
+from kvstore.engine.transfer import DONE, ready_on_current_stream
 from kvstore.errors import LayerTimeout, StoreClosedError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -191,7 +191,7 @@ class SyncLayerStream:
         Raises :class:`PrefetchError` if it cannot be loaded, :class:`LayerTimeout` (a PrefetchError
         and a TimeoutError) if it is late, :class:`StoreClosedError` if the store closed first.
         No round trip through the loop: the request is recorded (the loop is woken only if the
-        stream waits for it, see ``LayerStream.request_from_thread``), the arrival is a
+        stream waits for it, see ``StreamPace.request_from_thread``), the arrival is a
         threading.Event (a layer that is already in costs microseconds, not a thread hop).
         With device outputs, the calling thread's current stream waits for the layer's copies
         (a device-side wait: this returns once the copies are queued, not once they are done).
@@ -203,8 +203,8 @@ class SyncLayerStream:
         if loop.is_closed():  # the store's loop is closed: what has arrived is all there will be
             if not stream.arrived[index].is_set():
                 raise StoreClosedError(f"the store closed before layer {index} of its stream arrived")
-        elif stream.request_from_thread(index):
-            self._owner._waker.post(stream.request, index)
+        elif stream.pace.request_from_thread(index):
+            self._owner._waker.post(stream.pace.request, index)
         if not stream.arrived[index].wait(timeout):
             raise LayerTimeout(f"layer {index} did not arrive within {timeout}s")
         outcome = stream.outcomes[index]
@@ -213,6 +213,18 @@ class SyncLayerStream:
         assert outcome is not None
         stream.completions[index].wait_on_current_stream()
         return outcome
+
+    def release(self, index: int) -> None:
+        """With a ring of outputs, this thread is done with layer ``index`` (see ``LayerStream``): its buffer
+        takes a later layer once the work queued so far on this thread's current stream has ended. Non-blocking;
+        no round trip through the loop unless the stream waits for it."""
+        stream = self._stream
+        if not stream.ring:
+            return
+        outcome = stream.outcomes[index]
+        after = ready_on_current_stream(outcome.device) if isinstance(outcome, torch.Tensor) else DONE
+        if stream.pace.release_from_thread(index, after) and not self._owner._loop.is_closed():
+            self._owner._waker.post(stream.pace.wake, index)
 
     def on_arrival(self, index: int, callback: Callable[[BaseException | None], None]) -> None:
         """Call ``callback(None)`` on the store's loop when layer ``index`` has arrived and its copies into
@@ -231,8 +243,10 @@ class SyncLayerStream:
         self._owner.submit(notify())
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Every layer in order; with a ring of outputs, each is released when the next is asked for."""
         for index in range(self._stream.num_layers):
             yield index, self.wait_layer(index)
+            self.release(index)
 
     def close(self) -> None:
         """Stop the stream and release what it holds; bounded by ``timeouts.close`` (plus a margin).

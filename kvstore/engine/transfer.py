@@ -142,7 +142,11 @@ class DeviceTransfers:
             return _record(stream)
 
     def upload_layers(
-        self, outs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], scratch: UploadScratch | None
+        self,
+        outs: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        scratch: UploadScratch | None,
+        before: Sequence[Completion] | None = None,
     ) -> list[Completion]:
         """Consecutive layers of ``len(sources)`` chunks into ``outs``, one completion per layer.
 
@@ -152,6 +156,7 @@ class DeviceTransfers:
         one of ``scratch``'s buffers (a run of layers rather than one: each copy costs the copy engine a setup
         besides its bytes), then one copy per layer on a placing stream puts it in place, while the next
         run's copies go into the other buffer. On the CPU, each piece is copied into place.
+        ``before[j]``: what must end before ``outs[j]`` is written (its last reader's stream; a ring's buffer).
         """
         count = len(sources)
         if not is_device(outs[0]):
@@ -174,6 +179,8 @@ class DeviceTransfers:
         completions = []
         with torch.cuda.stream(placing):
             for layer, out in enumerate(outs):
+                if before is not None and isinstance(before[layer].event, torch.cuda.Event):
+                    placing.wait_event(before[layer].event)
                 target = out.unflatten(1, (count, out.shape[1] // count))  # [planes, n, tokens, heads, dim]
                 target.copy_(buffer[:count, layer].transpose(0, 1))
                 out.record_stream(placing)  # freed early (a request that ended), its memory waits for this copy

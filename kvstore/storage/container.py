@@ -47,6 +47,7 @@ MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
 FLAG_ENCRYPTED = 1
 PARALLEL_MIN_BYTES = 1 << 20  # a smaller chunk's layers are encoded and decoded in one thread
+CHECK_HOT_BYTES = 1 << 20  # a file reader reads this much, then checksums it while it is still in L2 cache
 
 
 def checksum(data: Buffer) -> int:

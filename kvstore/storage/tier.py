@@ -30,6 +30,7 @@ from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, note_failure, timed_out, unreachable
 from kvstore.storage.container import (
+    CHECK_HOT_BYTES,
     ChunkHeader,
     decode_chunk,
     decode_layer,
@@ -47,7 +48,6 @@ from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore.tier")
 T = TypeVar("T")
-BATCH_BYTES = 1 << 20  # read this much of a file, then checksum it while it is still in L2 cache
 INLINE_CHECK_BYTES = 8 << 20  # remote chunks up to this size are checksummed on the event loop
 OpenedChunk = tuple[ChunkHeader, ObjectFile | None, memoryview | None]  # header, open file, layer 0's stored bytes
 Guard = WriteFence | contextlib.nullcontext[None]  # held around each write into a chunk's destination
@@ -84,7 +84,7 @@ class ChunkTier:
         self._refuse_a_codec_for_other_values()
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
-        self._batch_layers = min(layout.num_layers, max(1, BATCH_BYTES // layout.layer_nbytes))
+        self._batch_layers = min(layout.num_layers, max(1, CHECK_HOT_BYTES // layout.layer_nbytes))
 
     def _refuse_a_codec_for_other_values(self) -> None:
         """ConfigError, at start, for a codec that cannot encode this layout's values (e.g. fp8 on fp8 KV).

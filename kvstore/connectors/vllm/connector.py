@@ -435,6 +435,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers.append(layer)
             self._layer_index[name] = index
         warn_of_another_compute_path(self.attention, layout.dtype)
+        # One rank on a GPU: loads land on the device (across the bus asynchronously) and are put in place there.
+        if self._layers[0].device.type == "cuda" and self.ranks.size == 1:
+            self._layer_loads.device = self._layers[0].device
 
     def identity(self) -> str:
         """Where this side files chunks: its namespace and layout (with the layout's fingerprint)."""

@@ -2,10 +2,14 @@
 
 Each load is a layer stream (``store.prefetch``) started before the forward pass; layer i is
 copied into the paged blocks when the attention of layer i asks for it, so later layers keep
-arriving while earlier ones compute. A chunk that cannot be loaded (corrupt, vanished, a tier
-timing out) fails with the chunks after it: their blocks are reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes those tokens, while the chunks before it
-are streamed again and kept.
+arriving while earlier ones compute. A stream lands its layers in a ring of ``2 x depth`` layer
+buffers (see ``LayerStream``), each released once its layer is in the blocks: on the GPU cache's
+device with one rank (the layers cross the bus asynchronously, through the store's transfer layer,
+and are put in the blocks by the engine's stream), in host memory otherwise.
+
+A chunk that cannot be loaded (corrupt, vanished, a tier timing out) fails with the chunks after
+it: their blocks are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes those
+tokens, while the chunks before it are streamed again and kept.
 
 With tensor parallelism only the reading rank (the TP group's first) streams; for each layer it
 broadcasts the agreed outcome (:class:`~kvstore.connectors.vllm.tensor_parallel.LoadStatus`) and
@@ -65,6 +69,8 @@ class LayerStreamLoads:
         self.prefetch_depth, self.wait_timeout, self.counters = prefetch_depth, wait_timeout, counters
         self._loads: list[_ActiveLoad] = []
         self._failed_blocks: set[int] = set()
+        # where the streams' ring buffers live: the GPU cache's device with one rank (set when the caches are)
+        self.device = torch.device("cpu")
 
     def start(self, spec: LoadSpec) -> None:
         load = _ActiveLoad(spec, None, torch.tensor(spec.runs[0].block_ids, dtype=torch.long))
@@ -90,6 +96,8 @@ class LayerStreamLoads:
                 continue
             rows = len(load.block_ids) * self.block_size
             layer.scatter(load.block_ids, self.ranks.scatter_heads(kv, self.layout, rows))
+            if load.stream is not None:  # its buffer may take a later layer once the copies queued so far end
+                load.stream.release(index)
             load.layers_done += 1
         self._finish_loads(complete_only=True)
 
@@ -110,15 +118,26 @@ class LayerStreamLoads:
             load.failed = True
         self._finish_loads(complete_only=False)
 
-    def _start_stream(self, load: _ActiveLoad, failure: str) -> None:
+    def _start_stream(self, load: _ActiveLoad, failure: str, first_layer: int = 0) -> None:
+        """Open ``load``'s stream; ``first_layer``: the layer the forward pass is at (a restart), the ones
+        before it are released at once (they are not taken again)."""
         if not load.spec.keys:
             load.error = "the load did not match the engine's blocks"
             return
         try:
             assert self.store is not None
-            load.stream = self.store.prefetch(load.spec.keys, depth=self.prefetch_depth)
+            load.stream = self.store.prefetch(load.spec.keys, depth=self.prefetch_depth, outs=self._ring(load))
+            if first_layer:
+                load.stream.release(first_layer - 1)
         except Exception as exc:  # noqa: BLE001 - a closed store, no memory: this load fails, agreed at layer 0
             load.stream, load.error = None, f"{failure}: {exc!r}"
+
+    def _ring(self, load: _ActiveLoad) -> list[torch.Tensor]:
+        """Buffers for ``2 x depth`` layers of ``load`` (all of its layers if it has fewer), on ``self.device``."""
+        layout = self.layout
+        shape = (layout.kv_planes, len(load.spec.keys) * self.chunk_tokens, layout.num_kv_heads, layout.head_dim)
+        count = min(layout.num_layers, 2 * self.prefetch_depth)
+        return [torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(count)]
 
     def _read_layer(self, load: _ActiveLoad, index: int) -> torch.Tensor | None:
         """The reading rank: layer ``index`` of the load's blocks (all heads), or None (``load.error`` says why).
@@ -134,13 +153,13 @@ class LayerStreamLoads:
             # PrefetchError (a layer that cannot come, or is late), a closed store, anything else: the
             # load fails (on every rank, agreed), the engine goes on.
             except Exception as exc:  # noqa: BLE001
-                if not self._keep_sound_chunks(load, exc):
+                if not self._keep_sound_chunks(load, exc, index):
                     load.error = f"layer {index}: {exc}"
                     self._close_stream(load)
                     load.stream = None
         return None
 
-    def _keep_sound_chunks(self, load: _ActiveLoad, exc: KVStoreError) -> bool:
+    def _keep_sound_chunks(self, load: _ActiveLoad, exc: KVStoreError, index: int) -> bool:
         """After chunk c of ``load`` failed, go on loading its chunks before c; False if none are left.
 
         Only chunk c's blocks and those after it are reported failed: vLLM recomputes from
@@ -155,7 +174,7 @@ class LayerStreamLoads:
             return False
         self._close_stream(load)
         self._narrow(load, bad, keep, f"chunk {bad} of {len(load.spec.keys)}: {exc}")
-        self._start_stream(load, f"the stream of its first {bad} chunks did not start")
+        self._start_stream(load, f"the stream of its first {bad} chunks did not start", first_layer=index)
         return True
 
     def _narrow(self, load: _ActiveLoad, keys: int, blocks: int, reason: str) -> None:
