@@ -2,7 +2,7 @@
 
 Each load is a layer stream (``store.prefetch``) started before the forward pass; layer i is
 copied into the paged blocks when the attention of layer i asks for it, so later layers keep
-arriving while earlier ones compute. A stream lands its layers in a ring of ``2 x depth`` layer
+arriving while earlier ones compute. A stream lands its layers in a ring of ``depth + 1`` layer
 buffers (see ``LayerStream``), each released once its layer is in the blocks: on the GPU cache's
 device with one rank (the layers cross the bus asynchronously, through the store's transfer layer,
 and are put in the blocks by the engine's stream), in host memory otherwise.
@@ -133,10 +133,11 @@ class LayerStreamLoads:
             load.stream, load.error = None, f"{failure}: {exc!r}"
 
     def _ring(self, load: _ActiveLoad) -> list[torch.Tensor]:
-        """Buffers for ``2 x depth`` layers of ``load`` (all of its layers if it has fewer), on ``self.device``."""
+        """Buffers for ``depth + 1`` layers of ``load`` (all of its layers if it has fewer), on ``self.device``: as
+        far as the stream may run ahead of the layer being put in the blocks, so the ring never holds it back."""
         layout = self.layout
         shape = (layout.kv_planes, len(load.spec.keys) * self.chunk_tokens, layout.num_kv_heads, layout.head_dim)
-        count = min(layout.num_layers, 2 * self.prefetch_depth)
+        count = min(layout.num_layers, self.prefetch_depth + 1)
         return [torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(count)]
 
     def _read_layer(self, load: _ActiveLoad, index: int) -> torch.Tensor | None:
