@@ -11,9 +11,7 @@ MLA, hybrid models, fp8): tests/test_vllm_shapes.py; the KVStoreTier: tests/test
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,12 +20,10 @@ import pytest
 import torch
 from support import TEST_BUCKET
 from vllm_engines import (
-    ENGINE_TIMEOUT,
     REUSABLE_CHUNKS,
-    ROOT,
-    SUPPORT,
     disk_extra,
     run_engine,
+    run_support_tests,
 )
 
 from kvstore import KVLayout, StoreConfig, SyncKVStore
@@ -257,14 +253,7 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
 
 def test_connector_layer_loads_through_a_ring_of_layer_buffers(vllm_python):
     """tests/vllm_support/contract_layer_loads.py, under vLLM's environment (the loads import vLLM's types)."""
-    command = [
-        str(vllm_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-c", os.devnull,
-        "--rootdir", str(SUPPORT), str(SUPPORT / "contract_layer_loads.py"),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
-    print(result.stdout[-2000:])
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "2 passed" in result.stdout
+    assert "2 passed" in run_support_tests(vllm_python, "contract_layer_loads.py")
 
 
 def test_importing_the_vllm_integration_without_vllm_says_what_to_install():

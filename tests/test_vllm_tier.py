@@ -16,21 +16,17 @@ down).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_engines import (
-    ENGINE_TIMEOUT,
     REUSABLE_CHUNKS,
-    ROOT,
-    SUPPORT,
     corrupt_every_file,
     run_engine,
+    run_support_tests,
     tier_disk,
     tier_extra,
 )
@@ -71,14 +67,7 @@ def tier_copy(
 
 def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
     """tests/vllm_support/contract_tier.py, under vLLM's environment (it imports vLLM's types)."""
-    command = [
-        str(vllm_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-c", os.devnull,
-        "--rootdir", str(SUPPORT), str(SUPPORT / "contract_tier.py"),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
-    print(result.stdout[-2000:])
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "17 passed" in result.stdout
+    assert "17 passed" in run_support_tests(vllm_python, "contract_tier.py")
 
 
 def test_tier_serves_the_chunks_vllms_cpu_tier_evicted(vllm_python, tiny_llama, tmp_path):

@@ -153,6 +153,19 @@ def run_engine(
     return json.loads(out.read_text())
 
 
+def run_support_tests(python: Path, name: str) -> str:
+    """pytest on ``tests/vllm_support/<name>`` under vLLM's environment (files that import vLLM's types, so
+    kvstore's own test run does not collect them); its output, after asserting it passed."""
+    command = [
+        str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-c", os.devnull,
+        "--rootdir", str(SUPPORT), str(SUPPORT / name),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
+    print(result.stdout[-2000:])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 def disk_extra(path: Path, **disk: Any) -> dict[str, Any]:
     return {"kvstore_config": {"dram": {"capacity": "64MiB"}, "disk": {"path": str(path), **disk}}}
 
