@@ -274,6 +274,21 @@ async def test_a_ring_released_ahead_never_reads_two_layers_into_one_buffer(tmp_
         assert all(store.tiers[0].backend.path_for(key).exists() for key in keys)
 
 
+async def test_a_release_that_skips_layers_covers_every_one_it_skipped():
+    """Copies into a ring buffer wait for the consumer's work on its last layer, even where the consumer released
+    several layers at once: every layer skipped ends with the same completion."""
+    from kvstore.engine.stream_pace import StreamPace
+
+    pace, held, later = StreamPace(depth=2, ring=2, num_layers=6), Completion(HeldEvent()), Completion(HeldEvent())
+    assert pace.allowed() == 2
+    pace.release_from_thread(2, held)  # layers 0 to 2 at once, from an engine thread
+    assert pace.allowed() == 2 and [pace.before_writing(layer) for layer in (2, 3, 4)] == [held] * 3
+    pace.request(3)
+    assert pace.allowed() == 5
+    pace.release(3, later)  # on the loop
+    assert pace.before_writing(5) is later and pace.before_writing(4) is held and pace.allowed() == 6
+
+
 def keys_tokens() -> list[int]:
     return list(range(2 * LAYOUT.chunk_tokens))
 

@@ -253,7 +253,7 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
 
 def test_connector_layer_loads_through_a_ring_of_layer_buffers(vllm_python):
     """tests/vllm_support/contract_layer_loads.py, under vLLM's environment (the loads import vLLM's types)."""
-    assert "2 passed" in run_support_tests(vllm_python, "contract_layer_loads.py")
+    assert "3 passed" in run_support_tests(vllm_python, "contract_layer_loads.py")
 
 
 def test_importing_the_vllm_integration_without_vllm_says_what_to_install():

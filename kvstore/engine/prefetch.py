@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
@@ -73,7 +72,7 @@ from kvstore.layout import KVLayout
 from kvstore.storage.layer_reader import LayerReader, ReaderTier
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
-from kvstore.util.threads import in_thread
+from kvstore.util.threads import in_thread, usable_cores
 
 log = logging.getLogger("kvstore.prefetch")
 FETCHES_IN_FLIGHT = 2  # runs of layers being read at once where _fetches_in_flight allows (3 and 4 measured no faster)
@@ -361,7 +360,7 @@ class LayerStream:
         threads = self._sources.read_threads
         if not self._overlaps():
             return 1, threads
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         if any(reader is not None for reader in self._readers) and FETCHES_IN_FLIGHT * threads > cores:
             return FETCHES_IN_FLIGHT, max(1, cores // FETCHES_IN_FLIGHT)
         return FETCHES_IN_FLIGHT, threads

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -55,7 +54,7 @@ from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.layer_reader import ReaderTier
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
-from kvstore.util.threads import in_thread
+from kvstore.util.threads import in_thread, usable_cores
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
@@ -120,7 +119,7 @@ class KVStore:
             self._stream_promote,
             admit=self._stream_admit,
             transfers=self.transfers,
-            read_threads=min(config.io_threads, os.cpu_count() or 1),  # more threads than cores only add hops
+            read_threads=min(config.io_threads, usable_cores()),  # more threads than cores only add hops
         )
         self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
         self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []

@@ -79,7 +79,7 @@ class StreamPace:
     def release(self, index: int, after: Completion = DONE) -> None:
         """A ring's consumer is done with layers up to ``index`` once ``after`` is done (on the loop thread)."""
         if self.ring and index + 1 > self._released:
-            self.released_after[index] = after
+            self._note_released(max(self._released, self._thread_released), index, after)
             self._released = index + 1
             self._wanted.set()
 
@@ -90,9 +90,15 @@ class StreamPace:
             return False
         with self._thread_lock:
             if index + 1 > self._thread_released:
-                self.released_after[index] = after
+                self._note_released(max(self._released, self._thread_released), index, after)
                 self._thread_released = index + 1
         return self._parked
+
+    def _note_released(self, first: int, last: int, after: Completion) -> None:
+        """Layers ``first`` to ``last`` end with ``after`` (a consumer that skipped releases: every one it skipped,
+        so no copy into their buffers runs ahead of its work)."""
+        for layer in range(first, last + 1):
+            self.released_after[layer] = after
 
     def wake(self, index: int = -1) -> None:
         """Let a parked producer look again (on the loop thread): a thread moved a count (of layer ``index``),

@@ -44,12 +44,13 @@ def store_on_disk(tmp_path: Path) -> tuple[SyncKVStore, list[str], list[torch.Te
 
 
 def load_all_layers(
-    store: SyncKVStore, keys: list[str], blocks: list[int]
+    store: SyncKVStore, keys: list[str], blocks: list[int], device: str = "cpu"
 ) -> tuple[list[torch.Tensor], Counter[str], set[int]]:
     """One load of ``keys`` into ``blocks``, taken layer by layer as the forward pass takes it: the caches,
-    the counters, the blocks reported failed."""
+    the counters, the blocks reported failed. ``device``: where the ring's buffers are asked for."""
     counters: Counter[str] = Counter()
     loads = LayerStreamLoads(LAYOUT, TensorParallelRanks(), store, LAYOUT.chunk_tokens, BLOCK, 1, 30.0, counters)
+    loads.device = torch.device(device)
     caches = [torch.zeros(16, LAYOUT.num_kv_heads, BLOCK, 2 * LAYOUT.head_dim) for _ in range(LAYOUT.num_layers)]
     loads.start(LoadSpec("req", keys, [BlockRun(0, blocks)], len(blocks) * BLOCK))
     assert loads._loads[0].stream._stream.ring == 2, "depth 1: a ring of two layer buffers"
@@ -92,3 +93,20 @@ def test_a_chunk_corrupt_at_layer_three_is_recomputed_and_the_chunks_before_it_k
         for index, block in enumerate(blocks[:4]):
             source = chunks[index // 2][layer][:, (index % 2) * BLOCK : (index % 2 + 1) * BLOCK]
             assert torch.equal(block_rows(cache, block), source), f"layer {layer}, block {block}"
+
+
+def test_a_load_the_gpu_has_no_memory_for_goes_through_host_memory(tmp_path, monkeypatch):
+    """vLLM holds the GPU's memory: a ring that cannot be had there is made in host memory, and counted."""
+    empty = torch.empty
+
+    def no_device_memory(*shape, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_device_memory)
+    store, keys, chunks = store_on_disk(tmp_path)
+    with store:
+        caches, counters, failed = load_all_layers(store, keys, [3, 1, 5, 0, 2, 4], device="cuda")
+    assert not failed and counters["host_ring_loads"] == 1 and counters["loaded_chunks"] == CHUNKS
+    assert torch.equal(block_rows(caches[5], 4), chunks[2][5][:, BLOCK:])

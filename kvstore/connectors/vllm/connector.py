@@ -163,6 +163,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             "loaded_tokens": 0,  # worker: tokens actually loaded into vLLM's blocks
             "load_failures": 0,
             "partial_loads": 0,  # loads whose chunks before a failed one were kept
+            "host_ring_loads": 0,  # worker, one rank on a GPU: loads the device had no memory for (via host memory)
             "failed_blocks": 0,
             "saved_chunks": 0,
             "save_rejected": 0,
