@@ -23,7 +23,6 @@ from vllm_engines import (
     REUSABLE_CHUNKS,
     disk_extra,
     run_engine,
-    run_support_tests,
 )
 
 from kvstore import KVLayout, StoreConfig, SyncKVStore
@@ -249,11 +248,6 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
         assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS, remote
         assert stats[remote]["hits"] == REUSABLE_CHUNKS and stats[remote]["corrupt"] == 0, remote
         assert stats["store"]["streamed_from_dram"] == 0, remote
-
-
-def test_connector_layer_loads_through_a_ring_of_layer_buffers(vllm_python):
-    """tests/vllm_support/contract_layer_loads.py, under vLLM's environment (the loads import vLLM's types)."""
-    assert "3 passed" in run_support_tests(vllm_python, "contract_layer_loads.py")
 
 
 def test_importing_the_vllm_integration_without_vllm_says_what_to_install():

@@ -153,12 +153,12 @@ def run_engine(
     return json.loads(out.read_text())
 
 
-def run_support_tests(python: Path, name: str) -> str:
-    """pytest on ``tests/vllm_support/<name>`` under vLLM's environment (files that import vLLM's types, so
-    kvstore's own test run does not collect them); its output, after asserting it passed."""
+def run_support_tests(python: Path, *names: str) -> str:
+    """pytest on ``tests/vllm_support/<name>`` files under vLLM's environment (files that import vLLM's types,
+    so kvstore's own test run does not collect them), in one interpreter; its output, after asserting it passed."""
     command = [
         str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-c", os.devnull,
-        "--rootdir", str(SUPPORT), str(SUPPORT / name),
+        "--rootdir", str(SUPPORT), *(str(SUPPORT / name) for name in names),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, cwd=ROOT)
     print(result.stdout[-2000:])

@@ -1,10 +1,10 @@
 """The vLLM connector's layer loads through a ring of layer buffers, against a real store (vLLM's environment).
 
-tests/test_vllm.py runs this file with ``.venv-vllm/bin/python -m pytest`` (the loads import vLLM's
-metadata types), so kvstore's own test run does not collect it. The engine's tiny test models have two
-layers, too few for a ring (``kvstore_prefetch_depth + 1`` buffers); here a six-layer layout with depth 1
-streams through two buffers into a paged cache in the GPU backends' ``kv_split`` block layout (CPU
-tensors), called layer by layer as ``wait_for_layer_load`` calls it.
+tests/test_vllm_tier.py runs this file with contract_tier.py under ``.venv-vllm/bin/python -m pytest`` (the
+loads import vLLM's metadata types), so kvstore's own test run does not collect it. The engine's tiny test
+models have two layers, too few for a ring (``kvstore_prefetch_depth + 1`` buffers); here a six-layer
+layout with depth 1 streams through two buffers into a paged cache in the GPU backends' ``kv_split``
+block layout (CPU tensors), called layer by layer as ``wait_for_layer_load`` calls it.
 """
 
 from __future__ import annotations
