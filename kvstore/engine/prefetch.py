@@ -459,7 +459,10 @@ class LayerStream:
         """
         layout, pool = self._sources.layout, self._sources.pool
         layers = range(first, first + count)
-        outs = [self._out(i) if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype) for i in layers]
+        outs = [  # a ring's layer i in outs[i % ring]; without a ring that is outs[i]
+            self._outs[i % len(self._outs)] if self._outs is not None else torch.empty(self.shape, dtype=layout.dtype)
+            for i in layers
+        ]
         tokens = layout.chunk_tokens
         hosts: list[torch.Tensor] = []  # device outputs: each chunk's layers in host memory, in order
         reads = []
@@ -510,10 +513,6 @@ class LayerStream:
         if self._on_device:
             self.completions[first : first + count] = self._upload(outs, hosts, first)
         return outs
-
-    def _out(self, layer: int) -> torch.Tensor:
-        assert self._outs is not None
-        return self._outs[layer % self.ring] if self.ring else self._outs[layer]
 
     def _upload(self, outs: list[torch.Tensor], hosts: list[torch.Tensor], first: int) -> list[Completion]:
         """Queue the copies of a run of layers to the device, on the loop: a copy's launch costs microseconds (a
