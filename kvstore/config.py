@@ -16,6 +16,7 @@ import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -44,6 +45,7 @@ from kvstore.util import units
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
 _toml_file: ContextVar[Path | None] = ContextVar("kvstore_toml_file", default=None)
+_environment_off: ContextVar[bool] = ContextVar("kvstore_environment_off", default=False)  # isolated()
 
 
 def _size(value: Any) -> Any:
@@ -122,7 +124,7 @@ class DiskConfig(_Section):
     capacity: Capacity = Field(
         ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; least recently used files go first"
     )
-    codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'bytesplit'")
+    codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'byteplanes'")
     allow_lossy: bool = Field(False, description=LOSSY_HELP)
     fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
 
@@ -207,6 +209,20 @@ class S3Config(_RemoteSection):
             raise ValueError("s3.bucket is required when s3.enabled is true (set [s3] bucket or KVSTORE_S3__BUCKET)")
         return self
 
+    @model_validator(mode="after")
+    def _endpoint_is_a_url(self) -> S3Config:
+        """A malformed endpoint is bad configuration (exit 2), not a server that cannot be reached (exit 5)."""
+        if self.enabled:
+            for source, url in (
+                ("s3.endpoint_url (KVSTORE_S3__ENDPOINT_URL)", self.endpoint_url),
+                ("$AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+                ("$AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL")),
+            ):
+                if url:
+                    _check_url(url, ("http", "https"), source, "e.g. http://127.0.0.1:8333")
+                    break
+        return self
+
 
 class RedisConfig(_RemoteSection):
     section: ClassVar[str] = "redis"
@@ -218,6 +234,42 @@ class RedisConfig(_RemoteSection):
         None, gt=0, description="seconds a chunk lives after its last full read, e.g. '7d' (none: forever)"
     )
     max_connections: int = Field(32, ge=1, le=4096, description="connections in the pool (per node on a cluster)")
+
+    @model_validator(mode="after")
+    def _url_is_a_url(self) -> RedisConfig:
+        """A malformed URL is bad configuration (exit 2), not a server that cannot be reached (exit 5)."""
+        if self.enabled:
+            source = "redis.url (KVSTORE_REDIS__URL)" if self.url else "$REDIS_URL"
+            url = self.url or os.environ.get("REDIS_URL")
+            if url:
+                _check_url(url, ("redis", "rediss", "unix"), source, "e.g. redis://127.0.0.1:6379/0")
+        return self
+
+
+def _check_url(url: str, schemes: tuple[str, ...], source: str, example: str) -> SplitResult:
+    """``url`` split, if it has one of ``schemes``, a host (but unix://) and a numeric port; else a ValueError
+    naming ``source`` and ``example``, and showing the URL without its password."""
+    shown = units.clip(_without_password(url))
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:  # e.g. an unbalanced '[' in the host
+        parts = None
+    if parts is None or parts.scheme not in schemes:
+        raise ValueError(
+            f"{source} {shown!r} is not a URL starting {' or '.join(s + '://' for s in schemes)}; {example}"
+        )
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # not a number, or out of range
+        port_ok = False
+    if not port_ok or (parts.scheme != "unix" and not parts.hostname):
+        raise ValueError(f"{source} {shown!r} needs a host and a numeric port; {example}")
+    return parts
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password in its user part (``user:secret@``) replaced by ``***``."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
 
 
 def parse_key(text: str) -> bytes:
@@ -398,14 +450,16 @@ class StoreConfig(BaseSettings):
         return low, high
 
     def __init__(self, **values: Any) -> None:
-        if _toml_file.get() is None and os.environ.get(CONFIG_FILE_ENV):
+        environment = not _environment_off.get()
+        if environment and _toml_file.get() is None and os.environ.get(CONFIG_FILE_ENV):
             token = _toml_file.set(_toml_path(None))  # StoreConfig() honours $KVSTORE_CONFIG too
             try:
                 self.__init__(**values)  # type: ignore[misc]
             finally:
                 _toml_file.reset(token)
             return
-        _reject_unknown_env()
+        if environment:
+            _reject_unknown_env()
         try:
             super().__init__(**values)
         except ValidationError as exc:
@@ -436,6 +490,19 @@ class StoreConfig(BaseSettings):
             _toml_file.reset(token)
 
     @classmethod
+    def isolated(cls, **values: Any) -> StoreConfig:
+        """A configuration of ``values`` and the defaults alone: no ``KVSTORE_*`` variable, no ``$KVSTORE_CONFIG``.
+
+        For a store that must not touch what the shell points at (``kvstore demo``): with the
+        defaults, that is DRAM and the local disk, never Redis or S3.
+        """
+        token = _environment_off.set(True)
+        try:
+            return cls(**values)
+        finally:
+            _environment_off.reset(token)
+
+    @classmethod
     def settings_customise_sources(
         cls,
         settings_cls: type[BaseSettings],
@@ -444,6 +511,8 @@ class StoreConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        if _environment_off.get():
+            return (init_settings,)
         toml_path = _toml_file.get()
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if toml_path is not None:
@@ -455,13 +524,22 @@ def _toml_path(path: str | os.PathLike[str] | None) -> Path | None:
     """The TOML file to read: ``path``, else ``$KVSTORE_CONFIG``, else none; it must exist."""
     file = path if path is not None else os.environ.get(CONFIG_FILE_ENV)
     toml_path = Path(file).expanduser() if file else None
-    if toml_path is not None and not toml_path.is_file():
-        source, fix = (
-            ("the path given", "pass the path of an existing TOML file")
-            if path is not None
-            else (CONFIG_FILE_ENV, f"set {CONFIG_FILE_ENV} to an existing TOML file, or unset it")
-        )
+    if toml_path is None:
+        return None
+    source, fix = (
+        ("the path given", "pass the path of an existing TOML file")
+        if path is not None
+        else (CONFIG_FILE_ENV, f"set {CONFIG_FILE_ENV} to an existing TOML file, or unset it")
+    )
+    denied = f"config file {toml_path} (from {source}) cannot be read (permission denied); run as a user who can"
+    try:
+        is_file = toml_path.is_file()
+    except PermissionError:  # a directory on its way that this user may not enter
+        raise ConfigError(denied) from None
+    if not is_file:
         raise ConfigError(f"config file {toml_path} (from {source}) does not exist or is not a file; {fix}")
+    if not os.access(toml_path, os.R_OK):
+        raise ConfigError(denied)
     return toml_path
 
 

@@ -85,6 +85,10 @@ class S3BackendError(KVStoreError, RuntimeError):
     """The bucket cannot be used (absent, forbidden, unreachable); the message names bucket and endpoint."""
 
 
+class BucketMissing(S3BackendError):
+    """The bucket does not exist, and this backend was not allowed to create it."""
+
+
 class TraceFormatError(KVStoreError, ValueError):
     """A file is not a readable kvstore trace."""
 

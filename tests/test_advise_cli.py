@@ -133,3 +133,29 @@ def test_defaults_come_from_the_store_config(tmp_path: Path, monkeypatch: pytest
     assert code == 0, out
     assert "now 32.0 MiB, 'second-sighting'" in out
     assert "disk size" not in out  # no disk tier configured: no disk table
+
+
+def test_a_chunk_size_that_mixes_two_models_with_the_trace_exits_2_naming_the_fix(tmp_path: Path) -> None:
+    # Recorded with 16-token chunks of a small model; --chunk-bytes 32MiB alone would mean 2 MiB of KV a
+    # token, and advice comparing a 32 MiB load with a 16-token recompute (every hit a loss).
+    path = trace(tmp_path, hot_zipf(), meta={"chunk_tokens": 16, "chunk_bytes": 16 * 15360, "namespace": "t"})
+    code, out = invoke(str(path), *SIZES, "--chunk-bytes", "32MiB")
+    assert code == 2, out
+    assert "2.0 MiB of KV per token" in out and "--chunk-tokens" in out
+    code, out = invoke(str(path), *SIZES, "--chunk-tokens", "4096")  # 60 bytes a token: no model either
+    assert code == 2 and "--chunk-bytes" in out, out
+    code, out = invoke(str(path), *SIZES, "--chunk-bytes", "32MiB", "--chunk-tokens", "256")  # both given: taken
+    assert code == 0 and "of 32.0 MiB (256 tokens)" in out, out
+
+
+def test_a_chunk_size_for_the_traces_tokens_is_taken(tmp_path: Path) -> None:
+    path = trace(tmp_path, hot_zipf())  # 256-token chunks: 32 MiB is Llama-3-8B's 128 KiB a token
+    code, out = invoke(str(path), *SIZES, "--chunk-bytes", "32MiB")
+    assert code == 0 and "of 32.0 MiB (256 tokens)" in out, out
+
+
+def test_choices_are_shown_and_checked(tmp_path: Path) -> None:
+    help_text = runner.invoke(app, ["advise", "--help"], env={"COLUMNS": "250"}).output
+    assert "zipf|multi-turn|rag|unique|phase" in help_text and "write-through|second-sighting" in help_text
+    code, out = invoke("--synthetic", "ragg")
+    assert code == 2 and "'ragg' is not one of" in out, out

@@ -81,8 +81,9 @@ def test_ls_reads_the_codec_from_each_chunk_header_and_names_what_is_not_a_chunk
     chunk_file(root, "junk", size=10)
     result = runner.invoke(app, ["ls", "--json", "--config", str(config)])
     assert result.exit_code == 0, result.output
-    (row,) = json.loads(result.output)
+    (row,) = json.loads(result.stdout)  # stdout is the JSON alone; what was read is said on stderr
     assert row["namespace"] == "junk" and row["chunks"] == 2 and row["codecs"] == {"(not a chunk)": 2}
+    assert result.stderr == f"read from disk: {root}\n"
 
 
 @pytest.mark.parametrize(

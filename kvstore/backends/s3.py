@@ -33,7 +33,7 @@ from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 from kvstore.backends.base import Backend, ByteRange, Scatter
 from kvstore.backends.maintenance import RemoveReport, StoredObject
 from kvstore.config import MULTIPART_MIN, SINGLE_PUT_MAX
-from kvstore.errors import S3BackendError
+from kvstore.errors import BucketMissing, S3BackendError
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 
@@ -148,7 +148,10 @@ class S3Backend(Backend):
             log.warning("s3 tier: %s is not reachable yet (%s); will keep trying", where, type(exc).__name__)
             return
         if not self.create_bucket:
-            raise S3BackendError(f"{where} does not exist (create it, or set create_bucket=True)")
+            raise BucketMissing(
+                f"{where} does not exist: create it, or let the store create it with s3.create_bucket = true "
+                "(KVSTORE_S3__CREATE_BUCKET=true)"
+            )
         try:
             region = self._client.meta.region_name
             where_to = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}

@@ -14,14 +14,11 @@ import math
 import re
 import sys
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from kvstore.backends import RemoveReport
-from kvstore.backends.disk import STALE_TMP_SECONDS
-from kvstore.cli import inventory
 from kvstore.cli.console import (
     EXIT_DAMAGED,
     EXIT_DECLINED,
@@ -40,8 +37,15 @@ from kvstore.cli.console import (
     progress_bar,
     run,
 )
-from kvstore.config import StoreConfig
+from kvstore.util.lazy import lazy_import
 from kvstore.util.units import human_age, human_bytes
+
+if TYPE_CHECKING:
+    from kvstore.backends import RemoveReport
+    from kvstore.cli import inventory
+    from kvstore.config import StoreConfig
+else:
+    inventory = lazy_import("kvstore.cli.inventory")  # the backends, and torch: only when a command runs
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -52,14 +56,14 @@ def tier_names(tiers: list[str] | None) -> list[str] | None:
     return names or None
 
 
-Listing = dict[str, list[inventory.StoredObject]]
+Listing = dict[str, list["inventory.StoredObject"]]
 Codecs = dict[str, list[str | None] | None]  # per tier, each listed object's codec; None: headers not read
 
 
 async def list_all(
     config: StoreConfig, tiers: list[str] | None, namespaces: list[str] | None, codecs: bool | None = False
-) -> tuple[dict[str, str], Listing, Codecs]:
-    """Every selected tier's objects, with a progress line per tier; also each tier's age basis.
+) -> tuple[dict[str, str], Listing, Codecs, str]:
+    """Every selected tier's objects, with a progress line per tier; also each tier's age basis, and what was read.
 
     ``codecs``: read each object's header for its codec pipeline (one small read per object):
     True everywhere, False nowhere, None where reading leaves the listed ages alone (not Redis,
@@ -80,7 +84,13 @@ async def list_all(
                     task = bar.add_task(f"reading {name} chunk headers", total=len(listed[name]))
                     step = lambda n, t=task: bar.advance(t, n)  # noqa: E731
                     found[name] = await inventory.read_codecs(backend, listed[name], on_read=step)
-    return basis, listed, found
+        where = inventory.sources(backends)
+    return basis, listed, found, where
+
+
+def read_from(where: str, as_json: bool = False) -> None:
+    """Say which directory, URL and bucket a command read: above its table, or on stderr beside JSON."""
+    (errors if as_json else console).print(f"read from {where}", highlight=False, soft_wrap=True)
 
 
 def codec_text(codecs: dict[str, int], tier: str, found: Codecs) -> str:
@@ -120,7 +130,7 @@ def ls(
 ) -> None:
     """What each tier holds, per namespace: chunks, bytes, oldest and newest, codecs (or each chunk with --chunks)."""
     settings = load_config(config)
-    basis, listed, found = run(lambda: list_all(settings, tier_names(tier), namespace, codecs))
+    basis, listed, found, where = run(lambda: list_all(settings, tier_names(tier), namespace, codecs))
     now = time.time()
     if chunks:
         rows = sorted(
@@ -135,13 +145,15 @@ def ls(
         if as_json:
             fields = ("namespace", "key", "size", "when")
             document = [{"tier": t, **{f: getattr(i, f) for f in fields}, "codec": c} for t, i, c in rows]
+            read_from(where, as_json=True)
             typer.echo(json.dumps(document, indent=1))
             return
         columns = ("tier", "namespace", "key", "bytes", "age", "codec")
         table = make_table(f"chunks, most recent first ({len(rows)} shown)", columns, left=(*columns[:3], "codec"))
         for name, item, codec_of in rows:
             shown = codec_of or ("(gone)" if found[name] is not None else "(not read)")
-            table.add_row(name, item.namespace, item.key, f"{item.size:,}", human_age(now - item.when), shown)
+            table.add_row(name, item.namespace, item.key, human_bytes(item.size), human_age(now - item.when), shown)
+        read_from(where)
         console.print(table)
         return
     summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now, found[name])]
@@ -151,6 +163,7 @@ def ls(
             {**{f: getattr(row, f) for f in fields}, "codecs": row.codecs if found[row.tier] is not None else None}
             for row in summaries
         ]
+        read_from(where, as_json=True)
         typer.echo(json.dumps(document, indent=1))
         return
     table = make_table(
@@ -169,6 +182,7 @@ def ls(
             basis[row.tier],
             codec_text(row.codecs, row.tier, found),
         )
+    read_from(where)
     console.print(table)
     if not summaries:
         console.print("no chunks stored in the selected tiers and namespaces")
@@ -182,7 +196,7 @@ def stats(
 ) -> None:
     """Per tier and namespace: chunks, bytes, average chunk size and an age histogram."""
     settings = load_config(config)
-    basis, listed, _ = run(lambda: list_all(settings, tier_names(tier), namespace))
+    basis, listed, _, where = run(lambda: list_all(settings, tier_names(tier), namespace))
     now = time.time()
     summaries = [row for name, items in listed.items() for row in inventory.summarize(name, items, now)]
     labels = [label for _, label in inventory.AGE_BUCKETS]
@@ -198,6 +212,7 @@ def stats(
             }
             for row in summaries
         ]
+        read_from(where, as_json=True)
         typer.echo(json.dumps(document, indent=1))
         return
     table = make_table(
@@ -216,6 +231,7 @@ def stats(
             chunks, size = sum(r.chunks for r in rows), sum(r.bytes for r in rows)
             ages = [str(sum(r.ages[i] for r in rows)) for i in range(len(labels))]
             table.add_row(name, "[b]all[/b]", f"{chunks:,}", human_bytes(size), human_bytes(size / chunks), *ages)
+    read_from(where)
     console.print(table)
 
 
@@ -282,9 +298,11 @@ async def collect(
         with progress_bar() as bar:
             tasks = {name: bar.add_task(f"listing {name}", total=None) for name in backends}
             plans = await inventory.plan_gc(backends, accept, retention, on_page=lambda t, n: bar.advance(tasks[t], n))
+        where = inventory.sources(backends)
         doomed = sum(len(plan.victims) for plan in plans)
         doomed_bytes = sum(plan.victim_bytes for plan in plans)
         if dry_run or not doomed:
+            read_from(where)
             console.print(gc_table(plans, None, dry_run))
             print_sweep(await inventory.sweep_temporaries(backends, accept, remove=not dry_run))
             if install_lifecycle:
@@ -293,6 +311,7 @@ async def collect(
                           "nothing to delete")  # fmt: skip
             return EXIT_OK
         if not yes:
+            read_from(where)
             console.print(gc_table(plans, None, dry_run=True))
             if not sys.stdin.isatty():
                 errors.print("[red]not deleting without --yes: there is no terminal to ask for confirmation[/red]")
@@ -303,6 +322,7 @@ async def collect(
         with progress_bar() as bar:
             task = bar.add_task("deleting", total=doomed)
             reports = await inventory.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
+        read_from(where)
         console.print(gc_table(plans, reports, dry_run=False))
         print_sweep(await inventory.sweep_temporaries(backends, accept, remove=True))
         removed = sum(report.removed for report in reports.values())
@@ -320,6 +340,8 @@ def print_sweep(sweep: inventory.TemporarySweep | None) -> None:
     """What became of the disk tier's temporary files (nothing is printed when there were none)."""
     if sweep is None:
         return
+    from kvstore.backends.disk import STALE_TMP_SECONDS
+
     minutes = f"{STALE_TMP_SECONDS / 60:.0f} min"
     if sweep.stale:
         done = "removed" if sweep.removed else "dry run: would remove"
@@ -416,8 +438,13 @@ async def check_all(
         damaged = [(result.tier, bad) for result in results for bad in result.damaged]
         for tier_name, bad in damaged:
             console.print(f"damaged: {tier_name} {bad.item.namespace}/{bad.item.key}: {bad.reason}", highlight=False)
+        where = inventory.sources(backends)
         if delete and damaged:
-            if not yes and not (sys.stdin.isatty() and typer.confirm(f"Remove {len(damaged)} damaged objects?")):
+            if not yes and not sys.stdin.isatty():
+                errors.print("[red]not removing without --yes: there is no terminal to ask for confirmation[/red]")
+                print_sweep(sweep)
+                return EXIT_USAGE
+            if not yes and not typer.confirm(f"Remove {len(damaged)} damaged objects?"):
                 console.print("nothing removed")
                 print_sweep(sweep)
                 return EXIT_DECLINED
@@ -438,6 +465,7 @@ async def check_all(
             f"{result.gone:,}",
             f"{len(result.errors):,}",
         )
+    read_from(where)
     console.print(table)
     print_sweep(sweep)
     for result in results:

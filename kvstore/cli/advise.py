@@ -15,7 +15,7 @@ import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
 import typer
@@ -23,7 +23,7 @@ from rich.table import Table
 
 from kvstore.cli.console import ConfigOption, console, fail, load_config, make_table, parse_size
 from kvstore.errors import TraceFormatError
-from kvstore.sizing.advice import DEFAULT_BANDWIDTH, POLICIES, Advice, CostModel, Policy, TierRates, advise, cost_model
+from kvstore.sizing.advice import DEFAULT_BANDWIDTH, Advice, CostModel, Policy, TierRates, advise, cost_model
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
 from kvstore.sizing.traces import Trace, flatten, read_trace, write_trace
 from kvstore.sizing.workloads import all_unique, multi_turn, phase_change, rag, zipf_prefixes
@@ -32,10 +32,15 @@ from kvstore.util.units import GB, human_bytes, short_bytes
 DRAM_GBPS, DISK_READ_GBPS, DISK_WRITE_GBPS, REMOTE_GBPS = (
     DEFAULT_BANDWIDTH[name] / GB for name in ("dram_copy", "disk_read", "disk_write", "remote")
 )
-SYNTHETIC = ("zipf", "multi-turn", "rag", "unique", "phase")
+SyntheticChoice = Literal["zipf", "multi-turn", "rag", "unique", "phase"]
+SYNTHETIC: tuple[str, ...] = get_args(SyntheticChoice)
 # SmolLM2-135M: 30 layers x K,V x 3 heads x 64 dims x 2 bytes x 256 tokens, bf16 (1,966,080 bytes).
 SYNTHETIC_META = {"chunk_tokens": 256, "chunk_bytes": 1_966_080, "writer": "kvstore advise --synthetic"}
 CURVE_POINTS = 64
+# KV bytes per token that a real model has: SmolLM2-135M holds 15 KiB at bf16, Llama-3.1-405B 504 KiB.
+# A chunk size from the command line with the trace's tokens per chunk (or the other way round)
+# outside this range is two different models mixed up, and would give confidently wrong advice.
+PLAUSIBLE_BYTES_PER_TOKEN = (1024, 1024 * 1024)
 
 
 def synthetic_trace(name: str, requests: int) -> Trace:
@@ -87,6 +92,25 @@ def meta_number(trace: Trace, key: str, given: int | None, option: str) -> int:
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return int(value)
     raise fail(f"{trace.path}: the trace's metadata has no {key}; pass {option}")
+
+
+def check_chunk_mix(chunk: int, tokens: int, from_trace: str) -> None:
+    """Refuse one chunk option mixed with the trace's other figure when they imply no real model's KV per token.
+
+    ``--chunk-bytes 32MiB`` on a trace recorded with 16-token chunks would mean 2 MiB of KV a token:
+    the advice would compare loading 32 MiB with recomputing 16 tokens, and call every hit a loss.
+    """
+    low, high = PLAUSIBLE_BYTES_PER_TOKEN
+    per_token = chunk / tokens
+    if low <= per_token <= high:
+        return
+    given = "--chunk-tokens" if from_trace == "--chunk-bytes" else "--chunk-bytes"
+    figure = f"{human_bytes(chunk)}" if from_trace == "--chunk-bytes" else f"{tokens} tokens"
+    raise fail(
+        f"{given} with the trace's chunk of {figure} means {human_bytes(per_token)} of KV per token, which no model "
+        f"has ({human_bytes(low)} to {human_bytes(high)}): give both --chunk-bytes and --chunk-tokens "
+        f"(e.g. --chunk-bytes 32MiB --chunk-tokens 256 for Llama-3-8B's 256-token chunks)"
+    )
 
 
 def curve(profile: ReuseProfile, cost: CostModel, result: Advice, disk_bytes: int) -> list[dict[str, float]]:
@@ -184,7 +208,7 @@ def advise_command(
     prefill_rate: Annotated[
         float | None, typer.Option(min=1e-9, help="engine prefill, tokens/s (default: the config's)")
     ] = None,
-    policy: Annotated[str | None, typer.Option(help="write policy now: write-through or second-sighting")] = None,
+    policy: Annotated[Policy | None, typer.Option(help="write policy now (default: the config's)")] = None,
     dram_gbps: Annotated[float, typer.Option(min=1e-9, help="DRAM copy bandwidth, GB/s")] = DRAM_GBPS,
     disk_read_gbps: Annotated[float, typer.Option(min=1e-9, help="disk read bandwidth, GB/s")] = DISK_READ_GBPS,
     disk_write_gbps: Annotated[float, typer.Option(min=1e-9, help="disk write bandwidth, GB/s")] = DISK_WRITE_GBPS,
@@ -194,7 +218,7 @@ def advise_command(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the advice and the curve as JSON")] = False,
     plot: Annotated[Path | None, typer.Option(help="write the hit-rate curve to this PNG")] = None,
-    synthetic: Annotated[str | None, typer.Option(help=f"a generated workload: {', '.join(SYNTHETIC)}")] = None,
+    synthetic: Annotated[SyntheticChoice | None, typer.Option(help="a generated workload instead of a trace")] = None,
     requests: Annotated[int, typer.Option(min=1, help="requests in a --synthetic workload", hidden=True)] = 20_000,
     write_trace_to: Annotated[
         Path | None, typer.Option("--write-trace", help="with --synthetic: write the trace here and stop")
@@ -207,7 +231,7 @@ def advise_command(
     if write_trace_to is not None and synthetic is None:
         raise fail("--write-trace writes a --synthetic workload; pass --synthetic NAME")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise fail("--plot needs matplotlib: pip install 'kvstore[plot]'")
+        raise fail("--plot needs matplotlib: pip install 'kvstore-tiered[plot]'")
     data = synthetic_trace(synthetic, requests) if synthetic is not None else load_trace(trace)  # type: ignore[arg-type]
     if write_trace_to is not None:
         write_trace(write_trace_to, data.requests_as_chains(), data.meta)
@@ -219,7 +243,9 @@ def advise_command(
     given = None if chunk_bytes is None else parse_size(chunk_bytes, "--chunk-bytes")
     chunk = meta_number(data, "chunk_bytes", given, "--chunk-bytes")
     tokens = meta_number(data, "chunk_tokens", chunk_tokens, "--chunk-tokens")
-    current: Policy = settings.adaptive.policy if policy is None else _policy(policy)
+    if (given is None) != (chunk_tokens is None):
+        check_chunk_mix(chunk, tokens, from_trace="--chunk-tokens" if given is not None else "--chunk-bytes")
+    current: Policy = settings.adaptive.policy if policy is None else policy
     dram_bytes = int(settings.dram.capacity) if dram is None else parse_size(dram, "--dram")
     if disk is not None:
         disk_bytes = parse_size(disk, "--disk")
@@ -270,11 +296,3 @@ def advise_command(
     )
     if plot is not None:
         console.print(f"curve written to {plot}", highlight=False)
-
-
-def _policy(text: str) -> Policy:
-    """The --policy value as a :data:`Policy`; anything else ends the command (exit 2)."""
-    for policy in POLICIES:
-        if text == policy:
-            return policy
-    raise fail(f"--policy {text!r}: choose {' or '.join(POLICIES)}")

@@ -14,22 +14,84 @@ What they share (consoles, exit codes, options, parsing, the table builder) is :
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
+from kvstore import __version__
 from kvstore.cli import admin, advise, bench, devtools
-from kvstore.cli.console import EXIT_CODES
+from kvstore.cli.console import EXIT_CODES, EXIT_ERRORS, fail
+
+# Click's exception classes, found from typer's (typer >= 0.22 carries its own copy of click).
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+class OneLineErrors(TyperGroup):
+    """The command group, whose usage errors read like every other kvstore error: one red line, exit code 2.
+
+    Click and typer would print a boxed panel with the usage above it; kvstore's own errors (a bad
+    configuration, an unreachable server) are one line naming the problem and the fix, and a script
+    reading stderr should not have to tell two styles apart.
+    """
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        prog_name = "kvstore"  # also under a test runner or `python -m`, errors name the command users type
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _ClickException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `kvstore` alone: the help, printed already
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None) if isinstance(exc, _UsageError) else None
+            where = ctx.command_path if ctx is not None else "kvstore"
+            fail(f"{where}: {exc.format_message()} (see {where} --help)", exc.exit_code)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            fail("aborted", EXIT_ERRORS)
+            sys.exit(EXIT_ERRORS)
+        except Exception as exc:  # a defect: still one line, with the way to the traceback
+            if logging.getLogger("kvstore").isEnabledFor(logging.INFO):  # --verbose
+                traceback.print_exc()
+            fail(f"kvstore: unexpected {type(exc).__name__}: {exc} (--verbose shows the traceback)", EXIT_ERRORS)
+            sys.exit(EXIT_ERRORS)
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 app = typer.Typer(
+    cls=OneLineErrors,
     help=f"kvstore: a tiered KV-cache store for LLM inference engines.\n\n{EXIT_CODES}",
     no_args_is_help=True,
     rich_markup_mode="markdown",
 )
 
 
+def _print_version(given: bool) -> None:
+    """``--version``: print the version and stop before any command runs."""
+    if given:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what the store does")] = False) -> None:
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what the store does")] = False,
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
     """Set up logging for every command: warnings only, or with ``--verbose`` what the store does."""
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
@@ -37,9 +99,7 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what
 
 
 def version() -> None:
-    """Print the installed version."""
-    from kvstore import __version__
-
+    """Print the installed version (also ``kvstore --version``)."""
     typer.echo(__version__)
 
 

@@ -31,12 +31,23 @@ RATE_UNITS = {"GB/s": (GB, 2), "MB/s": (MB, 0)}  # unit: (bytes per unit, decima
 
 
 def bench(
-    mib: Annotated[int, typer.Option(help="MiB moved per layout and operation")] = 256,
-    repeats: Annotated[int, typer.Option(help="best of this many runs")] = 3,
-    directory: Annotated[Path | None, typer.Option("--dir", help="where the disk benchmark writes")] = None,
+    mib: Annotated[int, typer.Option(min=1, help="MiB moved per layout and operation")] = 256,
+    repeats: Annotated[int, typer.Option(min=1, help="best of this many runs")] = 3,
+    directory: Annotated[
+        Path | None,
+        typer.Option(
+            "--dir",
+            exists=True,
+            file_okay=False,
+            writable=True,
+            help="an existing directory the disk benchmark writes in",
+        ),
+    ] = None,
     fsync: Annotated[bool, typer.Option(help="fsync every file (tier and baseline alike)")] = False,
     codecs: Annotated[bool, typer.Option(help="also measure codecs on the real KV sample")] = True,
-    sample: Annotated[Path | None, typer.Option(help="real KV sample (.npy, bf16 bits as uint16)")] = None,
+    sample: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="real KV sample (.npy, bf16 bits as uint16)")
+    ] = None,
     remote: Annotated[
         str, typer.Option(help="remote tiers to bench on dev servers started here: redis,moto,seaweedfs or all")
     ] = "",

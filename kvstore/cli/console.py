@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -26,9 +26,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.util import units
+
+if TYPE_CHECKING:
+    from kvstore.config import StoreConfig
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_DAMAGED, EXIT_DECLINED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
 EXIT_CODES = (
@@ -93,15 +95,20 @@ def parse_size(text: str, option: str) -> int:
 
 
 def parse_duration(text: str, option: str) -> float:
-    """Seconds in a duration option ('90s', '10m', '12h', '7d', '1h30m'); anything else is a usage error naming it."""
+    """Seconds in a duration option ('90s', '10m', '12h', '7d', '1h30m'); anything else is a usage error naming it.
+
+    A bare number is refused: ``--max-age 7`` read as seconds would delete a whole cache meant to keep a week.
+    """
     try:
-        return units.parse_duration(text)
+        return units.parse_duration(text, unit_required=True)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
 def load_config(path: Path | None) -> StoreConfig:
     """The store configuration (``path``, else $KVSTORE_CONFIG, plus KVSTORE_* variables); a bad one exits 2."""
+    from kvstore.config import StoreConfig  # imported when a command runs: `kvstore --help` stays quick
+
     try:
         return StoreConfig.load(path)
     except ConfigError as exc:

@@ -7,8 +7,11 @@ imported inside the commands, so ``kvstore --help`` does not wait for torch.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -20,8 +23,10 @@ if TYPE_CHECKING:  # imported for real inside the command (see the docstring)
 
 
 def demo(
-    prompts: Annotated[int, typer.Option(help="prompts to prefill")] = 12,
-    tokens: Annotated[int, typer.Option(help="tokens per prompt (256 per chunk)")] = 2048,
+    prompts: Annotated[int, typer.Option(min=1, help="prompts to prefill")] = 12,
+    tokens: Annotated[
+        int, typer.Option(min=768, help="tokens per prompt (256 per chunk; the first 512 are shared)")
+    ] = 2048,
     dram: Annotated[str, typer.Option(help="DRAM tier size")] = "256MiB",
     directory: Annotated[
         Path | None, typer.Option("--dir", help="disk tier directory (default: a temporary one)")
@@ -54,7 +59,7 @@ def print_demo(report: DemoReport) -> None:
 
 
 def dev_servers(
-    s3: Annotated[str, typer.Option(help="the S3 server to start: moto, seaweedfs or none")] = "moto",
+    s3: Annotated[Literal["moto", "seaweedfs", "none"], typer.Option(help="the S3 server to start")] = "moto",
     redis: Annotated[bool, typer.Option(help="start redis-server too")] = True,
     bucket: Annotated[str, typer.Option(help="the bucket kvstore should use")] = "kvstore",
     check: Annotated[bool, typer.Option(help="store a chunk through each server, read it back, then stop")] = False,
@@ -62,40 +67,61 @@ def dev_servers(
     """Real S3 and Redis servers on 127.0.0.1, no Docker: prints the settings for kvstore; Ctrl-C stops them.
 
     The same servers the tests use (kvstore.devtools.servers): moto or SeaweedFS, and redis-server.
+    Ctrl-C, SIGTERM (kill, a service manager) and SIGHUP (the terminal closed) stop the servers
+    and remove their data directories.
     """
     import os
-    import signal
     from contextlib import ExitStack
 
     from kvstore.devtools.servers import MotoServer, RedisServer, SeaweedFSServer
     from kvstore.errors import ServerError
 
-    if s3 not in ("moto", "seaweedfs", "none"):
-        raise typer.BadParameter("use moto, seaweedfs or none", param_hint="--s3")
     settings: dict[str, str] = {}
-    with ExitStack() as running:
-        try:
-            if s3 != "none":
-                server = running.enter_context((MotoServer if s3 == "moto" else SeaweedFSServer)())
-                settings |= server.credentials_env()
-                settings |= {"KVSTORE_S3__ENABLED": "true", "KVSTORE_S3__BUCKET": bucket}
-                settings["KVSTORE_S3__CREATE_BUCKET"] = "true"
-            if redis:
-                settings |= {"REDIS_URL": running.enter_context(RedisServer()).url, "KVSTORE_REDIS__ENABLED": "true"}
-        except ServerError as exc:
-            raise fail(str(exc), EXIT_USAGE) from None
-        console.print("# kvstore picks these up from the environment (paste into your shell):", highlight=False)
-        for name, value in settings.items():
-            typer.echo(f"export {name}={value}")
-        if check:
-            os.environ.update(settings)
-            _check_dev_servers(s3, redis)
-            return
-        console.print("# running; Ctrl-C stops the servers (their data goes with them)", highlight=False)
-        try:
-            signal.pause()  # until Ctrl-C (or another signal) arrives
-        except KeyboardInterrupt:
-            pass
+    try:
+        with ExitStack() as running, _signals_stop():
+            try:
+                if s3 != "none":
+                    server = running.enter_context((MotoServer if s3 == "moto" else SeaweedFSServer)())
+                    settings |= server.credentials_env()
+                    settings |= {"KVSTORE_S3__ENABLED": "true", "KVSTORE_S3__BUCKET": bucket}
+                    settings["KVSTORE_S3__CREATE_BUCKET"] = "true"
+                if redis:
+                    redis_url = running.enter_context(RedisServer()).url
+                    settings |= {"REDIS_URL": redis_url, "KVSTORE_REDIS__ENABLED": "true"}
+            except ServerError as exc:
+                raise fail(str(exc), EXIT_USAGE) from None
+            console.print("# kvstore picks these up from the environment (paste into your shell):", highlight=False)
+            for name, value in settings.items():
+                typer.echo(f"export {name}={value}")
+            if check:
+                os.environ.update(settings)
+                _check_dev_servers(s3, redis)
+                return
+            console.print("# running; Ctrl-C or SIGTERM stops the servers (their data goes with them)", highlight=False)
+            while True:
+                signal.pause()  # until Ctrl-C, SIGTERM or SIGHUP ends it
+    except (KeyboardInterrupt, _Stopped):
+        pass  # the stack above has stopped every server started and removed its directory
+    console.print("# stopped; the servers and their data are gone", highlight=False)
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP arrived: unwind, so every server started is stopped and its directory removed."""
+
+
+@contextmanager
+def _signals_stop() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`_Stopped` (as Ctrl-C raises KeyboardInterrupt)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _check_dev_servers(s3: str, redis: bool) -> None:

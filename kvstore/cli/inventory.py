@@ -13,6 +13,7 @@ import fnmatch
 import logging
 import math
 import os
+import re
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -26,7 +27,7 @@ from kvstore.backends.disk import DiskBackend, temporary_state
 from kvstore.backends.files import unlink_quietly, walk_files
 from kvstore.cli.console import TierUnreachable
 from kvstore.config import RedisConfig, S3Config, StoreConfig
-from kvstore.errors import ChunkFormatError, ConfigError
+from kvstore.errors import BucketMissing, ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import HEADER_ALIGN, check_stored_chunk, header_codec, header_length
 from kvstore.util.threads import in_thread
@@ -69,6 +70,8 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
                 f"the {name} tier is not enabled in this configuration; set {name}.enabled = true "
                 f"(or KVSTORE_{name.upper()}__ENABLED=true) and its settings"
             )
+    if "disk" in names:
+        check_disk_root(config.disk.path)
     backends: dict[str, Backend] = {}
     async with AsyncExitStack() as stack:
         stack.enter_context(_engine_warnings_off(names))
@@ -80,9 +83,49 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
             _SECRETS[backend] = _secrets(section)
             if name != "disk":
                 with reaching(backend):
-                    await backend.open()
+                    try:
+                        await backend.open()
+                    except BucketMissing:
+                        raise TierUnreachable(
+                            name,
+                            endpoint(backend),
+                            "the bucket does not exist; kvstore's commands never create one (a store opened "
+                            "with s3.create_bucket = true does), so create it or check s3.bucket",
+                        ) from None
                 stack.push_async_callback(backend.close)
         yield backends
+
+
+def check_disk_root(root: Path) -> None:
+    """Refuse a disk path the tools would read as an empty cache: missing, a file, unreadable, or a namespace.
+
+    Each is a :class:`ConfigError` (exit 2) naming the path and the fix; an empty directory is a real
+    empty cache and passes.
+    """
+    fix = "set disk.path (or KVSTORE_DISK__PATH) to the directory engines write their chunks to"
+    if not root.exists():
+        raise ConfigError(f"disk tier directory {root} does not exist; {fix}")
+    if not root.is_dir():
+        raise ConfigError(f"disk tier path {root} is not a directory; {fix}")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise ConfigError(f"disk tier directory {root} cannot be read (permission denied); run as its owner")
+    try:
+        inside = [entry.name for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)]
+    except PermissionError:
+        raise ConfigError(f"disk tier directory {root} cannot be read (permission denied); run as its owner") from None
+    if any(_HEX_PAIR.fullmatch(name) for name in inside) and not any(_HEX_PAIR.fullmatch(n) is None for n in inside):
+        raise ConfigError(
+            f"{root} is one namespace of a disk tier (its subdirectories are 2-letter hash prefixes), "
+            f"not the tier's directory; give its parent {root.parent}, and --namespace to select it"
+        )
+
+
+_HEX_PAIR = re.compile(r"[0-9a-f]{2}")
+
+
+def sources(backends: dict[str, Backend]) -> str:
+    """What the command read, one ``tier: where`` per tier: the directory, the (masked) URL, the bucket."""
+    return "; ".join(f"{name}: {endpoint(backend)}" for name, backend in backends.items())
 
 
 @contextmanager

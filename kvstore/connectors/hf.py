@@ -52,7 +52,7 @@ try:
     from transformers import DynamicCache
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "kvstore.connectors.hf needs Hugging Face transformers >= 5.0: pip install 'kvstore[hf]'"
+        "kvstore.connectors.hf needs Hugging Face transformers >= 5.20: pip install 'kvstore-tiered[hf]'"
     ) from exc
 
 from kvstore.connectors.hf_cache import (

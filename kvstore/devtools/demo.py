@@ -70,13 +70,16 @@ class DemoReport:
 async def run_demo(*, prompts: int, tokens: int, dram: str, directory: Path | None) -> DemoReport:
     """Prefill ``prompts`` prompts of ``tokens`` tokens, restart the store, and read everything back.
 
-    ``directory`` holds the disk tier (kept); by default a temporary one, removed at the end.
+    ``directory`` holds the disk tier (kept); by default a temporary one, removed at the end. The
+    store is DRAM and that directory alone, whatever the environment says (:meth:`StoreConfig.isolated`).
     Raises ValueError if ``tokens`` leaves no chunk past the shared 512-token prefix.
     """
     if tokens < 512 + LAYOUT.chunk_tokens:
         raise ValueError(f"--tokens must be at least {512 + LAYOUT.chunk_tokens}")
     workdir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
-    config = StoreConfig(dram={"capacity": dram}, disk={"path": workdir, "capacity": "4GiB"})
+    # Its own store only: KVSTORE_*, $KVSTORE_CONFIG, REDIS_URL or AWS_* in the shell never send the demo's
+    # chunks to a server (nor turn its disk tier off).
+    config = StoreConfig.isolated(dram={"capacity": dram}, disk={"path": workdir, "capacity": "4GiB"})
     report = DemoReport(LAYOUT.describe(), dram, workdir)
     steps = report.steps
     try:

