@@ -32,6 +32,29 @@ from kvstore.devtools.servers import (  # noqa: E402 (after the rewrite hook)
 )
 
 # ---------------------------------------------------------------------------------------------
+# Marks: the engine and real-model tests, each kept on one worker when scripts/test.sh runs the
+# suite on two (pytest-xdist --dist loadgroup): an engine's threads take both cores, and the model
+# and the engines' tiny models are then made once, not once per worker.
+# ---------------------------------------------------------------------------------------------
+ENGINE_EXAMPLES = {
+    "test_vllm_prefix_cache_prints_a_row_per_source",
+    "test_vllm_config_second_engine_loads_the_prefix_from_disk",
+}
+MODEL_EXAMPLES = {"test_hf_prefix_cache_prints_a_row_per_tier"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if "vllm_python" in fixtures or item.originalname in ENGINE_EXAMPLES:
+            item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.xdist_group("engine"))
+        elif "smollm2" in fixtures or item.originalname in MODEL_EXAMPLES:
+            item.add_marker(pytest.mark.real_model)
+            item.add_marker(pytest.mark.xdist_group("real_model"))
+
+
+# ---------------------------------------------------------------------------------------------
 # Real KV sample for codec and container tests (test_codecs.py, test_format.py).
 # ---------------------------------------------------------------------------------------------
 REAL_KV_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "kv_smollm2_512tok_bf16bits.npy"
