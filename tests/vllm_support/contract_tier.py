@@ -284,3 +284,25 @@ def test_the_connector_refuses_every_key_it_and_vllm_do_not_define_with_the_clos
         read_options({"colour": 1}, lambda: "ns")
     # vLLM's own key (written by --kv-offloading-backend) is not kvstore's to refuse.
     assert read_options({"cpu_bytes_to_use": 1 << 30}, lambda: "ns").namespace == "ns"
+
+
+def test_the_schedulers_lookup_only_store_starts_no_metrics_exporter(tmp_path):
+    """Where the worker has its own process, the scheduler's store must not take the exporter's port."""
+    from kvstore.connectors.vllm._common import read_options, shared_stores
+    from kvstore.devtools.servers import free_port
+    from kvstore.layout import KVLayout
+
+    port = free_port()
+    sections = {"metrics": {"enabled": True, "port": port}, "disk": {"path": str(tmp_path)}}
+    options = read_options({"kvstore_config": sections}, lambda: "metrics-check")
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, chunk_tokens=16)
+    lookup = shared_stores.acquire(options, layout, lookup_only=True)
+    try:
+        assert lookup.store.metrics_port is None
+        worker = shared_stores.acquire(options, layout)
+        try:
+            assert worker.store.metrics_port == port
+        finally:
+            shared_stores.release(worker)
+    finally:
+        shared_stores.release(lookup)

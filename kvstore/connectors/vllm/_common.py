@@ -225,7 +225,8 @@ class _SharedStores:
     vLLM builds a scheduler-side and a worker-side connector; with one GPU worker they live in
     the same process, and sharing the store lets the scheduler's lookups see the worker's DRAM
     tier. Where the worker has a process of its own (vLLM's CPU backend, tensor parallelism), the
-    scheduler's store only looks chunks up: ``lookup_only`` gives it a DRAM pool of one chunk.
+    scheduler's store only looks chunks up: ``lookup_only`` gives it a DRAM pool of one chunk, and
+    no metrics exporter (the worker's store has it, on the configured port).
     """
 
     def __init__(self) -> None:
@@ -240,6 +241,7 @@ class _SharedStores:
                 config = options.config.model_copy(deep=True)
                 config.dram.capacity = layout.chunk_nbytes  # type: ignore[assignment]
                 config.dram.pin_memory = "never"
+                config.metrics.enabled = False  # the worker's store exports; a second exporter wants its port
                 return SyncKVStore(config, layout, options.namespace)  # not shared: release() closes it
             if store is None:
                 store = SyncKVStore(options.config, layout, options.namespace)
