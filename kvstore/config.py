@@ -44,6 +44,8 @@ from kvstore.util import units
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
+# Read by scripts/bootstrap.sh and scripts/vllm_env.sh, not by the store: never "unknown" to it.
+SCRIPT_VARIABLES = frozenset({"KVSTORE_TORCH_VERSION", "KVSTORE_VLLM_VERSION", "KVSTORE_EXTRAS"})
 _toml_file: ContextVar[Path | None] = ContextVar("kvstore_toml_file", default=None)
 _environment_off: ContextVar[bool] = ContextVar("kvstore_environment_off", default=False)  # isolated()
 
@@ -119,7 +121,7 @@ def _check_lossy(name: str, codec: str, allow_lossy: bool) -> None:
 
 class DiskConfig(_Section):
     section: ClassVar[str] = "disk"
-    enabled: bool = True
+    enabled: bool = Field(True, description="keep chunks in local files (survives restarts); false: no disk tier")
     path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
     capacity: Capacity = Field(
         ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; least recently used files go first"
@@ -147,7 +149,7 @@ class DiskConfig(_Section):
 
 class _RemoteSection(_Section):
     section: ClassVar[str]  # the TOML table, for error messages
-    enabled: bool = False
+    enabled: bool = Field(False, description="turn this tier on (its settings below then apply)")
     prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
     codec: str = Field(
         DEFAULT_REMOTE_CODEC, description="codec pipeline at this boundary, e.g. 'byteplanes' or 'fp8+zstd'"
@@ -561,7 +563,7 @@ def _reject_unknown_env() -> None:
     for name in os.environ:
         # pydantic-settings matches names case-insensitively (kvstore_io_threads is read), so check them
         # all; KVSTORE_CONFIG is only read spelled exactly so.
-        if name != CONFIG_FILE_ENV and name.upper().startswith(ENV_PREFIX):
+        if name != CONFIG_FILE_ENV and name not in SCRIPT_VARIABLES and name.upper().startswith(ENV_PREFIX):
             rest = name[len(ENV_PREFIX) :].upper()
             if rest not in known:
                 choices = sorted(known | {CONFIG_FILE_ENV.removeprefix(ENV_PREFIX)})

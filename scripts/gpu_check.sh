@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 26, in one call on a lent GPU machine (no network; see ../shared/GPU.md):
+# The GPU check, in one call on a lent GPU machine (no network; see ../shared/GPU.md):
 # the wheels in .whl/ are installed into a folder outside the tree, then the device-path tests and
 # `kvstore bench --device cuda` run; everything they print lands in $OUT.
 set -u

@@ -1,4 +1,4 @@
-"""Every call is bounded and nothing leaks when a caller gives up (issue 15, items 1, 2, 7 and 15's engine parts).
+"""Every call is bounded and nothing leaks when a caller gives up.
 
 A layer stream whose reader is cancelled closes within ``timeouts.close`` and leaves no slot,
 file or task behind; ``get_many`` and ``lookup`` wait at most one ``timeouts.get`` per call,

@@ -57,7 +57,7 @@ def test_greedy_tokens_mostly_agree(rows: dict[str, a.AccuracyRow], codec: str):
 
 def test_ratios(rows: dict[str, a.AccuracyRow]):
     assert rows["fp8"].ratio > 1.9  # fp8: one byte a value, plus its scales
-    assert rows["int8+zstd"].ratio > 1.9  # issue 18's targets: int8 >= 1.9x, int4 >= 3.5x
+    assert rows["int8+zstd"].ratio > 1.9  # the targets: int8 >= 1.9x, int4 >= 3.5x
     assert rows["int4+zstd"].ratio > 3.5
 
 

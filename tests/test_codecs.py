@@ -273,7 +273,7 @@ def test_bytesplit_beats_plain_zstd_and_lz4_on_real_kv(real_kv):
 
 
 def test_byteplanes_compresses_as_well_as_bytesplit_on_real_kv(real_kv):
-    """The default remote codec keeps the lossless ratio of the codec it replaced (issue 18: >= 1.44x)."""
+    """The default remote codec keeps the lossless ratio of the codec it replaced (>= 1.44x)."""
     byteplanes, bytesplit = real_ratio(real_kv, "byteplanes"), real_ratio(real_kv, "bytesplit")
     assert byteplanes >= 1.44, byteplanes  # measured 1.456 (bytesplit 1.439)
     assert byteplanes >= bytesplit, (byteplanes, bytesplit)
@@ -975,7 +975,7 @@ WRITTEN_BEFORE = {
         "28b52ffd204421020008000000b76ddb3b9224c93b6edbb63b4992a43b2549123cb76d1b3c4992243cdbb62d3cfefefe"
         "fef9f9f8f8f1efebe400626b716e707172767778787a7b7b7b7e7e7e7e"
     ),
-    # written when byteplanes was added (issue 18): its byte format must never change under its name
+    # written when byteplanes was added: its byte format must never change under its name
     "byteplanes": (
         "4030201000e0c0a0804000800080004080a0c0e000102030405060708088909828b52ffd20209d000058c0c0c0c0c0bf"
         "be003e3f40031000268eb445"
@@ -1308,7 +1308,7 @@ def test_a_batch_decode_with_one_bad_segment_is_a_codec_error():
 
 
 def test_an_fp8_kv_cache_is_stored_exactly_by_lossless_codecs_and_a_lossy_codec_is_refused_at_start(tmp_path):
-    """Issue 25 item 4: an engine's fp8 KV (one byte per value) is kept byte for byte; the lossy
+    """An engine's fp8 KV (one byte per value) is kept byte for byte; the lossy
     codecs quantize 16- and 32-bit floats, so a tier configured with one stops the store at start
     (else every put to it would fail, one counted error at a time)."""
     from kvstore import KVLayout, StoreConfig, SyncKVStore

@@ -1,6 +1,6 @@
 """A model's identity in the connectors' default namespaces: new weights at the same path, new keys.
 
-Issue 15 item 4: the vLLM connector's namespace was ``vllm:<model path>``; a checkpoint swapped
+The vLLM connector's namespace was once ``vllm:<model path>``; a checkpoint swapped
 in place (same shapes, other values) made a fresh engine load the old weights' KV.
 """
 
@@ -148,7 +148,7 @@ def test_hf_weights_swapped_at_the_same_path_never_load_the_old_kv(tmp_path):
 
 
 def test_processes_of_one_engine_that_compute_different_namespaces_stop_it_naming_both():
-    """Issue 25 item 3: a scheduler and a worker that disagree would lose every chunk silently
+    """A scheduler and a worker that disagree would lose every chunk silently
     (the worker files it where the scheduler never looks); the engine must not go on."""
     from kvstore.connectors.identity import require_one_namespace
     from kvstore.errors import ConfigError

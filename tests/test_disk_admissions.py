@@ -1,6 +1,6 @@
 """After ``get_many(keys, outs)`` read the disk into the caller's buffers: admissions to DRAM, and cancelled calls.
 
-Review of issue 17: a cancelled call must never make a good file look corrupt (its buffer is the
+A cancelled call must never make a good file look corrupt (its buffer is the
 caller's again), admissions must leave the engine slots for its own puts, the disk's counters
 must count each chunk asked for once, and no admission may start once the store is closing.
 """

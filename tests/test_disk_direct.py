@@ -1,6 +1,6 @@
 """The disk tier on the caller's path: ``get_many`` reads straight into the caller's buffers, writes run in parallel.
 
-Issue 17 item 2. Reads into ``outs`` need no DRAM slot (so they work with every slot held), are
+Reads into ``outs`` need no DRAM slot (so they work with every slot held), are
 admitted to DRAM after the call, never report a corrupt chunk as data and never write into a
 caller's buffer once the call has returned. Writes of a batch go to the disk over several
 threads at once, each within the byte budget, atomically, as private files.

@@ -1,6 +1,6 @@
 """Every ``KVSTORE_*`` variable that kvstore's code, tests or examples read is one StoreConfig accepts.
 
-Issue 15 item 16: tests/test_vllm.py read ``KVSTORE_VLLM_PYTHON``, but StoreConfig refuses unknown
+tests/test_vllm.py once read ``KVSTORE_VLLM_PYTHON``, but StoreConfig refuses unknown
 ``KVSTORE_*`` variables (a typo there must not pass silently), so setting it broke every store
 the tests opened. Helper variables live outside the prefix (``TEST_VLLM_PYTHON``).
 """
@@ -35,3 +35,16 @@ def test_no_kvstore_variable_read_anywhere_is_one_storeconfig_refuses(monkeypatc
                 refused.append(name)
         monkeypatch.delenv(name)
     assert refused == [], f"rename these outside the KVSTORE_ prefix: {refused}"
+
+
+def test_the_set_up_scripts_variables_do_not_stop_a_store(monkeypatch):
+    """``KVSTORE_TORCH_VERSION=2.13.0 ./scripts/test.sh`` once made every store in the suite refuse to open."""
+    names = {
+        name
+        for path in [*(ROOT / "scripts").glob("*.sh"), *(ROOT / "localstack").glob("*.sh")]
+        for name in re.findall(r"\$\{?(KVSTORE_\w+)", path.read_text())
+    }
+    assert "KVSTORE_TORCH_VERSION" in names
+    for name in sorted(names):
+        monkeypatch.setenv(name, "1")
+    StoreConfig()

@@ -1,4 +1,4 @@
-"""One chunk's layers encoded and decoded over the tier's idle I/O threads (issue 18, item 1).
+"""One chunk's layers encoded and decoded over the tier's idle I/O threads.
 
 The parallel path must give the same bytes as the serial one, decode bit-exact, report a corrupt
 layer as before, and never deadlock however small or busy the pool it shares with its caller.

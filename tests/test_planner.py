@@ -48,7 +48,7 @@ def test_a_slow_tier_s_chunks_are_recomputed_and_the_faster_ones_before_them_loa
 
 
 def test_dram_costs_its_seed_until_its_loads_are_measured():
-    """The seed is this machine's copy rate; the connector's timed loads replace it (issue 26: on a GPU
+    """The seed is this machine's copy rate; the connector's timed loads replace it (on a GPU
     the path is the bus, not a memcpy)."""
     plan = planner()
     plan.dram.bytes_per_s = 1e6  # a seed far too slow: a chunk would cost 1 s against 0.1 s of recompute

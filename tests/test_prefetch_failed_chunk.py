@@ -1,6 +1,6 @@
 """A failed layer stream names its first failed chunk (``PrefetchError.chunk``).
 
-Issue 15 item 9: the vLLM connector reported every block of a load failed when one chunk was
+The vLLM connector once reported every block of a load failed when one chunk was
 corrupt; knowing which chunk failed first, it keeps the sound chunks before it.
 """
 

@@ -1,4 +1,4 @@
-"""Layer streams promote (issue 17 item 4): a chunk streamed from a slower tier is put in DRAM and
+"""Layer streams promote: a chunk streamed from a slower tier is put in DRAM and
 queued for the faster tiers behind the stream, so an engine (whose connectors load only through
 streams) does not fetch the same prefix from S3 again. Only a chunk read whole and verified is
 promoted; no DRAM slot or a full queue drops the promotion and counts it. Streams stage in at most

@@ -404,7 +404,7 @@ async def test_get_many_serves_dram_and_disk_in_one_call(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("with_outs", [True, False], ids=["outs", "new-tensors"])
 async def test_get_many_loads_as_many_chunks_as_lookup_finds_with_a_small_pool(tmp_path: Path, with_outs: bool) -> None:
-    """Issue 15 item 7: 4 DRAM slots, 6 chunks on disk; lookup says 6, so get_many returns 6 (staged in rounds)."""
+    """4 DRAM slots, 6 chunks on disk; lookup says 6, so get_many returns 6 (staged in rounds)."""
     keys = chunk_keys(tokens(6), LAYOUT, "test")
     async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
         for i, key in enumerate(keys):

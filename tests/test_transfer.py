@@ -1,4 +1,4 @@
-"""The device path (issue 26): copies to and from device memory are queued with a completion, the memory
+"""The device path: copies to and from device memory are queued with a completion, the memory
 under a copy is held until it is done, and streams and puts give the same bytes through it.
 
 Every test runs on the CPU, where ``DeviceTransfers(host_as_device=True)`` sends CPU tensors down the

@@ -169,7 +169,7 @@ def test_tier_on_redis_a_fresh_engine_loads_from_it(vllm_python, tiny_llama, tmp
 def test_tier_chunks_written_at_one_tensor_parallel_degree_load_at_another(
     vllm_python, tiny_llama_4kv, tmp_path, redis_server
 ):
-    """Issue 16 items 2, 3 and 8: rows are stored in TP-1 order, under one namespace for every TP
+    """Rows are stored in TP-1 order, under one namespace for every TP
     degree, with no option to turn on (vLLM's default direct layout, rank-major at TP=2).
 
     A (TP=2) computes prompt P1 and stores it to disk and Redis. B (TP=1, the same disk) loads
@@ -231,7 +231,7 @@ def test_tier_chunks_written_at_one_tensor_parallel_degree_load_at_another(
 def test_tier_under_pipeline_parallelism_stops_the_engine_naming_the_limit_and_the_alternative(
     vllm_python, tiny_llama, tmp_path
 ):
-    """Issue 16 item 8: what the tier cannot store (a pipeline stage holds only its own layers)
+    """What the tier cannot store (a pipeline stage holds only its own layers)
     stops the engine at start, with the reason and what to use instead."""
     options = ("--pipeline-parallel-size", "2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}

@@ -2,7 +2,7 @@
 
 The work (listing, choosing, removing, checking) is in :mod:`kvstore.cli.inventory`; this module
 turns options into calls and results into tables. Exit codes are in :mod:`kvstore.cli.console`
-(and the README): 0 done; 1 some objects could not be listed, read or deleted; 2 bad usage or
+(and docs/operations.md): 0 done; 1 some objects could not be listed, read or deleted; 2 bad usage or
 configuration; 3 ``verify`` found damaged objects and left them in place; 4 the deletion was
 not confirmed; 5 a tier's server could not be reached or refused the credentials (one line).
 """

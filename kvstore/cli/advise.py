@@ -44,7 +44,7 @@ PLAUSIBLE_BYTES_PER_TOKEN = (1024, 1024 * 1024)
 
 
 def synthetic_trace(name: str, requests: int) -> Trace:
-    """A workload from :mod:`kvstore.sizing.workloads`, as if read from a file: for demos and the README."""
+    """A workload from :mod:`kvstore.sizing.workloads`, as if read from a file: for demos and the docs."""
     if name not in SYNTHETIC:
         raise fail(f"unknown synthetic workload {name!r}; choose from {', '.join(SYNTHETIC)} (--synthetic)")
     if name == "zipf":

@@ -316,7 +316,7 @@ def _accuracy_codecs(model: str, codecs: str) -> list[str]:
 
 
 def _bench_accuracy(prompts: int, codecs: list[str]) -> None:
-    """Codecs on SmolLM2's answers: a markdown table (the README's), progress per prompt as it goes."""
+    """Codecs on SmolLM2's answers: a markdown table (the one in docs/codecs.md), progress per prompt as it goes."""
     from kvstore.devtools import bench_accuracy as a
 
     start = time.perf_counter()

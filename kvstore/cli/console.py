@@ -5,7 +5,7 @@ and ends with an exit code; written once here, they look and behave alike in eve
 A new command imports from here and from the library below (devtools, sizing, engine), never
 from another command's module.
 
-Exit codes (also in the README and ``kvstore --help``): 0 done; 1 some objects could not be listed,
+Exit codes (also in docs/operations.md and ``kvstore --help``): 0 done; 1 some objects could not be listed,
 read or deleted (or a dev server would not start); 2 bad usage or configuration; 3 ``verify`` found
 damaged objects and left them in place; 4 the deletion was not confirmed; 5 a tier's server could
 not be reached or refused the credentials (one line on stderr names the tier, its endpoint and the

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from kvstore.cli.console import EXIT_ERRORS, EXIT_USAGE, console, fail, make_table, parse_size, run
+from kvstore.cli.console import EXIT_ERRORS, console, fail, make_table, parse_size, run
 from kvstore.util.units import MB
 
 if TYPE_CHECKING:  # imported for real inside the command (see the docstring)
@@ -89,7 +89,7 @@ def dev_servers(
                     redis_url = running.enter_context(RedisServer()).url
                     settings |= {"REDIS_URL": redis_url, "KVSTORE_REDIS__ENABLED": "true"}
             except ServerError as exc:
-                raise fail(str(exc), EXIT_USAGE) from None
+                raise fail(str(exc), EXIT_ERRORS) from None
             console.print("# kvstore picks these up from the environment (paste into your shell):", highlight=False)
             for name, value in settings.items():
                 typer.echo(f"export {name}={value}")

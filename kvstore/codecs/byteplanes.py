@@ -4,7 +4,7 @@ Like :mod:`~kvstore.codecs.bytesplit` it splits each value's bytes into planes: 
 (sign and exponent, which vary little across a layer) is entropy-coded, the low half
 (mantissa noise that no compressor shrinks) is stored raw. What makes it about twice as fast
 as ``bytesplit`` at a slightly better ratio (measured on real SmolLM2 KV, 256-token layer
-segments, one core; see the README's Codecs section):
+segments, one core; see docs/codecs.md):
 
 - zstd is tuned for what the high plane is, a stream of ~3-bit symbols with almost no repeats:
   matches shorter than 7 bytes are not searched and the match table is tiny (``hash_log`` 6),

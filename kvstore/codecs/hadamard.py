@@ -9,7 +9,7 @@ dtype. On its own it doubles a bf16 segment; it is meant to be followed by ``int
 
 Measured on the shared SmolLM2 sample (per-channel keys, per-token values, groups of 64) it
 hardly changes the error: int4 rms relative error 0.0578 without, 0.0576 with (values improve,
-keys, already grouped per channel, get worse); see the README's codec table.
+keys, already grouped per channel, get worse); see the codec table in docs/codecs.md.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ TARGETS = {
     "disk put+flush": 0.8,
     "disk get_many (warm)": 0.8,
     "disk get_many (cold)": 0.8,
-    # kvstore bench --device (bench_device.py, issue 26)
+    # kvstore bench --device (bench_device.py)
     "put from the device + flush, DRAM": 0.85,
     "stream DRAM -> outs": 0.8,
     "stream disk -> outs (warm)": 0.8,

@@ -4,7 +4,7 @@
 the prefix hit rate, the DRAM hit rate and the bytes written below DRAM for each fixed DRAM
 size under write-through and second-sighting, then for auto mode; and the time the tracking
 adds to ``lookup`` against the same store with tracking off. It prints plain text: devtools sit
-below the CLI, and these figures are for a developer's terminal or the README.
+below the CLI, and these figures are for a developer's terminal or docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ and more than kvstore's DRAM tier, so that vLLM's own cache evicts them before t
 only a lower tier can answer. Each configuration starts its server (a process group of its own,
 killed on exit even on error), waits for ``/health``, warms up with one unrelated prompt, runs the
 client, scrapes ``/metrics`` and stops the server, all within a time limit. With the defaults the
-five configurations take about 15 minutes on a 2-core machine (the README's "Serving benchmark").
+five configurations take about 15 minutes on a 2-core machine (docs/benchmarks.md, "Serving").
 
 The model is made here: a Llama of SmolLM2-135M's shape (hidden 576, 9 heads, 3 KV heads of 64)
 with fewer layers and random float32 weights, and a byte-level BPE tokenizer trained here (vLLM

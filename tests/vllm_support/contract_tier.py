@@ -162,7 +162,7 @@ def test_another_namespace_or_block_layout_sees_none_of_the_chunks(primary, tmp_
 
 
 def test_weights_swapped_at_the_models_path_see_none_of_the_chunks(primary, tmp_path, monkeypatch):
-    """Issue 15 item 4: the tier's default namespace names the weights' bytes, not only the path."""
+    """The tier's default namespace names the weights' bytes, not only the path."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tmp_path / "model"
     model.mkdir()
@@ -274,7 +274,7 @@ def test_a_misspelled_option_is_refused_with_its_name(primary):
 
 
 def test_the_connector_refuses_every_key_it_and_vllm_do_not_define_with_the_closest_name():
-    """Issue 15 item 13: keys not starting with kvstore were ignored (the engine ran without its tiers)."""
+    """Keys not starting with kvstore were ignored (the engine ran without its tiers)."""
     from kvstore.connectors.vllm._common import read_options
 
     for key in ("kv_store_config", "kvstroe_config", "store_config"):
