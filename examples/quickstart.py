@@ -1,6 +1,8 @@
 """The public API in one page: put a prompt's KV, find its prefix, read it back.
 
-Runs as written on the embedded default (DRAM + a local disk tier in a temporary directory):
+Runs as written on the embedded default (DRAM + a local disk tier in a temporary directory), in
+about 3 s on a 2-core machine:
+
     .venv/bin/python examples/quickstart.py
 """
 

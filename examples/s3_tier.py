@@ -2,10 +2,11 @@
 
 Uses the S3 server your environment points at (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``,
 or ``--endpoint``; credentials from the usual AWS chain) and ``--bucket``. With no endpoint set,
-it starts a local moto server (``pip install 'moto[server]'``) and says so. Run:
+it starts a local moto server (``pip install 'moto[server]'``) and says so. About 5 s on a 2-core
+machine with moto. Run:
 
     .venv/bin/python examples/s3_tier.py
-    AWS_ENDPOINT_URL_S3=http://127.0.0.1:9000 .venv/bin/python examples/s3_tier.py --bucket my-bucket
+    AWS_ENDPOINT_URL_S3=http://127.0.0.1:8333 .venv/bin/python examples/s3_tier.py --bucket kvstore
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def main() -> None:
         "enabled": True,
         "bucket": args.bucket,
         "endpoint_url": args.endpoint,  # None: botocore reads AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
-        # A pipeline of codecs, lossless: bytesplit compresses the sign+exponent bytes apart from the
-        # (incompressible) mantissa bytes, zstd then squeezes the segment a little more.
-        "codec": "bytesplit+zstd",
+        # Lossless (the remote default): byteplanes stores the (incompressible) low mantissa bytes as
+        # they are and entropy-codes the sign+exponent bytes with zstd; ~1.46x on bf16 KV.
+        "codec": "byteplanes",
         "create_bucket": True,
         "prefix": "kvstore-example",  # object names: kvstore-example/<namespace>/<key>
     }

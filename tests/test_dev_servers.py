@@ -24,4 +24,4 @@ def test_dev_servers_print_settings_that_work(args, tiers):
 
 def test_dev_servers_refuse_an_unknown_s3_server():
     done = subprocess.run(["bash", str(SCRIPT), "--s3", "minio"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "moto, seaweedfs or none" in done.stdout + done.stderr
+    assert done.returncode == 2 and "'minio' is not one of 'moto', 'seaweedfs', 'none'" in done.stdout + done.stderr

@@ -131,3 +131,12 @@ def test_adaptive_sizing_decides_advises_and_writes_a_trace(tmp_path: Path):
     assert "<- recommended" in out and "hit rate" in out, out
     lookups = int(re.search(r"\(([\d,]+) chunk lookups\)", out)[1].replace(",", ""))
     assert len(read_trace(trace)) == lookups > 0
+    # The docs' command on this trace: 32 MiB chunks of the trace's 256 tokens (Llama-3-8B's), a table back.
+    from typer.testing import CliRunner
+
+    from kvstore.cli import app
+
+    args = ["advise", str(trace), "--chunk-bytes", "32MiB", "--dram", "32GiB", "--disk", "1TiB"]
+    advised = CliRunner().invoke(app, args, env={"KVSTORE_CONFIG": "", "COLUMNS": "200"})
+    assert advised.exit_code == 0, advised.output
+    assert "chunk lookups of 32.0 MiB (256 tokens)" in advised.output and "recommendation: DRAM" in advised.output

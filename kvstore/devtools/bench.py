@@ -38,6 +38,7 @@ import torch
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec, roundtrip_error
 from kvstore.config import StoreConfig
+from kvstore.devtools.progress import Progress
 from kvstore.engine.store import WRITE_BATCH, KVStore
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
@@ -407,10 +408,14 @@ def bench_codecs(sample: torch.Tensor, repeats: int) -> list[CodecRow]:
     out_views = [[memoryview(out[i].view(torch.uint8).reshape(-1).numpy()) for i in range(len(layers))] for out in outs]
     encode_time = [math.inf] * len(codecs)
     decode_time = [math.inf] * len(codecs)
-    for _ in range(repeats):
-        for i, codec in enumerate(codecs):
-            encode_time[i] = min(encode_time[i], _timed(partial(_encode_all, codec, raw, spec)))
-            decode_time[i] = min(decode_time[i], _timed(partial(_decode_all, codec, encoded[i], spec, out_views[i])))
+    with Progress("codecs", total=repeats, keep=False) as progress:  # a step per round, between the timed calls
+        for _ in range(repeats):
+            for i, codec in enumerate(codecs):
+                encode_time[i] = min(encode_time[i], _timed(partial(_encode_all, codec, raw, spec)))
+                decode_time[i] = min(
+                    decode_time[i], _timed(partial(_decode_all, codec, encoded[i], spec, out_views[i]))
+                )
+            progress.step()
     results: list[CodecRow] = []
     for codec, segments, out, encode_s, decode_s in zip(codecs, encoded, outs, encode_time, decode_time, strict=True):
         stored = sum(len(memoryview(e).cast("B")) for e in segments)
@@ -465,13 +470,19 @@ async def run(mib: int, repeats: int, directory: Path | None, fsync: bool) -> tu
     rows: list[Row] = []
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=directory))
     try:
-        for name, layout in LAYOUTS.items():
-            chunks = max(4, (mib << 20) // layout.chunk_nbytes)
-            rows += await bench_dram(name, layout, chunks, repeats)
-            layout_dir = workdir / name
-            layout_dir.mkdir()
-            rows += await bench_disk(name, layout, chunks, repeats, layout_dir, fsync)
-            shutil.rmtree(layout_dir)
+        # a step after each measurement, outside its timing
+        with Progress("DRAM and disk", total=2 * len(LAYOUTS), keep=False) as progress:
+            for name, layout in LAYOUTS.items():
+                chunks = max(4, (mib << 20) // layout.chunk_nbytes)
+                progress.doing(f"{name}, DRAM")
+                rows += await bench_dram(name, layout, chunks, repeats)
+                progress.step(f"{name}: DRAM done")
+                layout_dir = workdir / name
+                layout_dir.mkdir()
+                progress.doing(f"{name}, disk")
+                rows += await bench_disk(name, layout, chunks, repeats, layout_dir, fsync)
+                shutil.rmtree(layout_dir)
+                progress.step(f"{name}: disk done")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return rows, mib

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvstore.config import StoreConfig
+from kvstore.devtools.progress import Progress
 from kvstore.engine.store import KVStore
 from kvstore.layout import KVLayout
 from kvstore.sizing import workloads
@@ -117,15 +118,30 @@ WORKLOADS = {
 }
 
 
-async def compare_one(chains: Sequence[np.ndarray], dram_chunks: int, disk_chunks: int) -> list[ReplayResult]:
-    """Fixed write-through at 1/8x, 1x and 8x DRAM, fixed second-sighting at 1x, then auto within [1/8x, 8x]."""
+CONFIGS_PER_WORKLOAD = 5  # compare_one's rows
+
+
+async def compare_one(
+    chains: Sequence[np.ndarray], dram_chunks: int, disk_chunks: int, progress: Progress | None = None
+) -> list[ReplayResult]:
+    """Fixed write-through at 1/8x, 1x and 8x DRAM, fixed second-sighting at 1x, then auto within [1/8x, 8x].
+
+    ``progress`` gets a step after each configuration's replay.
+    """
     chunk = LAYOUT.chunk_nbytes
     rows = []
+
+    async def run(label: str, dram: int, **adaptive: Any) -> None:
+        if progress is not None:
+            progress.doing(label)
+        rows.append(await run_config(chains, label, dram, disk_chunks, **adaptive))
+        if progress is not None:
+            progress.step(label)
+
     for factor in (1 / 8, 1, 8):
         size = max(1, int(dram_chunks * factor))
-        rows.append(await run_config(chains, f"write-through, {size:,} chunks", size, disk_chunks, track=False))
-    label = f"second-sighting, {dram_chunks:,} chunks"
-    rows.append(await run_config(chains, label, dram_chunks, disk_chunks, policy="second-sighting"))
+        await run(f"write-through, {size:,} chunks", size, track=False)
+    await run(f"second-sighting, {dram_chunks:,} chunks", dram_chunks, policy="second-sighting")
     auto = {
         "auto": True,
         "dram_min": max(1, dram_chunks // 8) * chunk,
@@ -134,30 +150,31 @@ async def compare_one(chains: Sequence[np.ndarray], dram_chunks: int, disk_chunk
         "min_references": 10_000,
         "half_life": 50_000,
     }
-    rows.append(
-        await run_config(
-            chains, f"auto, {dram_chunks // 8:,}-{dram_chunks * 8:,} chunks", dram_chunks, disk_chunks, **auto
-        )
-    )
+    await run(f"auto, {dram_chunks // 8:,}-{dram_chunks * 8:,} chunks", dram_chunks, **auto)
     return rows
 
 
-async def lookup_overhead(lookups: int = 20_000, chain: int = 16, rounds: int = 3) -> dict[str, float]:
+async def lookup_overhead(
+    lookups: int = 20_000, chain: int = 16, rounds: int = 3, progress: Progress | None = None
+) -> dict[str, float]:
     """Seconds per ``lookup`` of a ``chain``-chunk prefix, tracking off and on; the median of ``rounds``.
 
     Two cases: every prefix in DRAM (the cheapest lookup there is, so the worst case for the
     tracker's share), and prefixes that miss DRAM and are found on disk. ``*_call`` is the lookup
     call alone (what the engine waits for); the others include the tracker's batches, which run
     right after a lookup returns (``asyncio.sleep(0)`` lets them, in both variants alike).
+    ``progress`` gets a step after each round (between timings).
     """
     samples: dict[str, list[float]] = {}
-    for _ in range(rounds):
+    for number in range(rounds):
         for case, dram_chunks in (("dram", 64 * chain + 16), ("disk", 16)):
             for track in (False, True):
                 label = f"{case}_{'tracked' if track else 'untracked'}"
                 call, total = await _time_lookups(lookups, chain, dram_chunks, track)
                 samples.setdefault(label, []).append(total)
                 samples.setdefault(f"{label}_call", []).append(call)
+        if progress is not None:
+            progress.step(f"lookup overhead, round {number + 1} of {rounds}")
     return {label: float(np.median(values)) for label, values in samples.items()}
 
 
@@ -216,15 +233,23 @@ def _overhead_lines(timings: dict[str, float]) -> list[str]:
 
 
 def main(requests: int = 10_000, dram_chunks: int = 1000, disk_chunks: int = 20_000) -> None:
-    """Every workload through every configuration, then the tracker's overhead; printed as plain text."""
-    for name, make in WORKLOADS.items():
-        rows = asyncio.run(compare_one(make(requests), dram_chunks, disk_chunks))
-        print(f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks")
-        print(_REPLAY_LINE.format(*_REPLAY_COLUMNS, "policy"))
-        for row in rows:
-            print(_REPLAY_LINE.format(*_replay_cells(row)))
-        print()
-    for line in _overhead_lines(asyncio.run(lookup_overhead())):
+    """Every workload through every configuration, then the tracker's overhead; printed as plain text.
+
+    Its progress (a step per replay and per overhead round) goes to stderr.
+    """
+    rounds = 3
+    with Progress("bench_adaptive", total=len(WORKLOADS) * CONFIGS_PER_WORKLOAD + rounds, keep=False) as progress:
+        for name, make in WORKLOADS.items():
+            progress.description = f"bench_adaptive, {name}"
+            rows = asyncio.run(compare_one(make(requests), dram_chunks, disk_chunks, progress))
+            print(f"{name}: {rows[0].references:,} chunk lookups, disk {disk_chunks:,} chunks", flush=True)
+            print(_REPLAY_LINE.format(*_REPLAY_COLUMNS, "policy"))
+            for row in rows:
+                print(_REPLAY_LINE.format(*_replay_cells(row)))
+            print(flush=True)
+        progress.description = "bench_adaptive, lookup overhead"
+        timings = asyncio.run(lookup_overhead(rounds=rounds, progress=progress))
+    for line in _overhead_lines(timings):
         print(line)
 
 

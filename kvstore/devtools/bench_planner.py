@@ -34,6 +34,7 @@ import torch
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
 from kvstore.devtools.models import NAMESPACE, document_ids, load_smollm2, question_ids
+from kvstore.devtools.progress import Progress
 from kvstore.devtools.servers import RedisServer
 from kvstore.testing.slow_proxy import SlowProxy
 
@@ -100,12 +101,15 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {name: [] for name in configs}
         ratios: dict[str, list[float]] = {name: [] for name in configs}
         chunks: dict[str, dict] = {}
-        for _ in range(args.rounds):
-            for name, config in configs.items():
-                elapsed, chunks[name] = _ttft(model, config, prompts, NAMESPACE)
-                times[name].append(elapsed)
-            for name in configs:
-                ratios[name].append(times[name][-1] / times["recompute"][-1])
+        with Progress("bench_planner", total=args.rounds * len(configs), keep=False) as progress:
+            for number in range(args.rounds):
+                for name, config in configs.items():
+                    progress.doing(f"round {number + 1}, {name}")
+                    elapsed, chunks[name] = _ttft(model, config, prompts, NAMESPACE)
+                    times[name].append(elapsed)
+                    progress.step(f"round {number + 1}, {name}: {elapsed:.2f} s")
+                for name in configs:
+                    ratios[name].append(times[name][-1] / times["recompute"][-1])
     print(f"SmolLM2-135M fp32, {prompt.shape[1]}-token prompt (8 chunks cached), Redis capped at {args.mbps} MB/s,")
     print(f"TTFT = generate(max_new_tokens=1), median of {args.rounds} alternating rounds")
     print("| path | TTFT (s) | vs recompute | chunks loaded / recomputed |")

@@ -26,6 +26,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.devtools.bench import LAYOUTS, _sample_chunks, parse_names
+from kvstore.devtools.progress import Progress
 from kvstore.devtools.servers import MotoServer, RedisServer, S3Server, environment
 from kvstore.engine.sync import SyncKVStore
 from kvstore.layout import KVLayout
@@ -109,21 +110,25 @@ def run_overlap(
     layout = LAYOUTS[layout_name]
     data = _sample_chunks(layout, chunks)
     rows: list[OverlapRow] = []
-    for tier in tiers:
-        with (
-            tempfile.TemporaryDirectory(prefix="kvstore-prefetch-") as workdir,
-            _tier_config(tier, Path(workdir), layout, chunks) as config,
-        ):
-            with SyncKVStore(config, layout, "bench") as writer:
-                keys = writer.chunk_keys(list(range(chunks * layout.chunk_tokens)))
-                for key, kv in zip(keys, data, strict=True):
-                    writer.put(key, kv)
-                writer.flush()
-                if tier == "dram":
-                    rows.extend(_measure(writer, keys, tier, repeats, depth))
-                    continue
-            with SyncKVStore(config, layout, "bench") as reader:  # a fresh store: empty DRAM
-                rows.extend(_measure(reader, keys, tier, repeats, depth))
+    with Progress("layer streams", total=len(tiers), keep=False) as progress:  # a step after each tier
+        for tier in tiers:
+            progress.doing(tier)
+            with (
+                tempfile.TemporaryDirectory(prefix="kvstore-prefetch-") as workdir,
+                _tier_config(tier, Path(workdir), layout, chunks) as config,
+            ):
+                with SyncKVStore(config, layout, "bench") as writer:
+                    keys = writer.chunk_keys(list(range(chunks * layout.chunk_tokens)))
+                    for key, kv in zip(keys, data, strict=True):
+                        writer.put(key, kv)
+                    writer.flush()
+                    if tier == "dram":
+                        rows.extend(_measure(writer, keys, tier, repeats, depth))
+                        progress.step(f"{tier}: done")
+                        continue
+                with SyncKVStore(config, layout, "bench") as reader:  # a fresh store: empty DRAM
+                    rows.extend(_measure(reader, keys, tier, repeats, depth))
+            progress.step(f"{tier}: done")
     return rows
 
 

@@ -38,6 +38,7 @@ from kvstore.backends.base import Backend
 from kvstore.codecs import make_codec
 from kvstore.config import S3Config, StoreConfig
 from kvstore.devtools.bench import LAYOUTS, CodecRow, Row, _best_pair, _sample_chunks, parse_names
+from kvstore.devtools.progress import Progress
 from kvstore.devtools.servers import MotoServer, RedisServer, S3Server, SeaweedFSServer, environment
 from kvstore.engine.store import KVStore
 from kvstore.keys import ChunkKey, chunk_keys
@@ -516,14 +517,22 @@ async def run_remote(
 ) -> RemoteResults:
     """Public-API rows for every remote and layout, then codec rows on real KV when a sample is given."""
     results = RemoteResults()
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="kvstore-bench") as executor:
+    steps = len(remotes) * (len(layouts) + (sample is not None))
+    with (
+        ThreadPoolExecutor(concurrency, thread_name_prefix="kvstore-bench") as executor,
+        Progress("remote tiers", total=steps, keep=False) as progress,  # steps between the measurements
+    ):
         for remote in remotes:
             for name in layouts:
                 layout = LAYOUTS[name]
                 chunks = max(concurrency, -(-(mib << 20) // layout.chunk_nbytes))
+                progress.doing(f"{remote.name}, {name}")
                 results.rows += await bench_api(remote, name, layout, chunks, repeats, concurrency)
+                progress.step(f"{remote.name}, {name}: done")
             if sample is not None:
+                progress.doing(f"{remote.name}, codecs on real KV")
                 results.codec_rows += await bench_codecs_remote(
                     remote, sample, min(mib, codec_mib), repeats, concurrency, executor
                 )
+                progress.step(f"{remote.name}, codecs: done")
     return results

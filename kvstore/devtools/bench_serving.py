@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.devtools.progress import Progress
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU_WORKER_PATH = ROOT / "tests" / "vllm_support"  # cpu_offload_spec.py: native offloading's worker on CPU
 CONFIGURATIONS = ("vllm", "native", "native-cpu", "connector", "tier")
@@ -472,13 +474,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     python = Path(sys.executable)
     results = []
-    with tempfile.TemporaryDirectory(prefix="kvstore-serving-") as temporary:
+    names = args.configs.split(",")
+    with (
+        tempfile.TemporaryDirectory(prefix="kvstore-serving-") as temporary,
+        # minutes per configuration: off a terminal a line on stderr as each starts (the results go to stdout)
+        Progress("bench_serving", total=len(names), keep=False, announce=True) as progress,
+    ):
         workdir = args.workdir or Path(temporary)
-        for name in args.configs.split(","):
+        for name in names:
+            progress.doing(name)
             result = run_configuration(name, python, model, args.port, workload, sizing, workdir, args.limit)
             status = result.error or f"TTFT p50 {result.ttft_p50_ms:.0f} ms"
             print(f"{name}: {result.seconds:.0f} s; {status}", flush=True)
             results.append(result)
+            progress.step()
     print()
     print(markdown_table(results))
     if args.out:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvstore.config import StoreConfig
+from kvstore.devtools.progress import Progress
 
 SHAPES: dict[str, dict[str, int]] = {  # Llama-3.2-1B and Llama-3-8B; "tiny" for a CPU run of the code
     "1B": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -104,12 +105,20 @@ def bench_ttft(
     where = torch.device(device)
     rows: list[TTFTRow] = []
     generator = torch.Generator().manual_seed(0)
-    for shape in dict.fromkeys(name for name, _ in cases):
-        rows += _bench_shape(
-            shape, [length for name, length in cases if name == shape], where, repeats, directory, generator
-        )
-        if where.type == "cuda":
-            torch.cuda.empty_cache()
+    with Progress("TTFT", total=len(cases), keep=False) as progress:  # a step after each case's row
+        for shape in dict.fromkeys(name for name, _ in cases):
+            progress.doing(f"building {shape}")
+            rows += _bench_shape(
+                shape,
+                [length for name, length in cases if name == shape],
+                where,
+                repeats,
+                directory,
+                generator,
+                progress,
+            )
+            if where.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -120,6 +129,7 @@ def _bench_shape(
     repeats: int,
     directory: Path | None,
     generator: torch.Generator,
+    progress: Progress,
 ) -> list[TTFTRow]:
     """The rows of one model shape (its model built once), one per prompt length."""
     from transformers import DynamicCache
@@ -150,6 +160,7 @@ def _bench_shape(
                     store.store.pool.discard(key)
 
             for length in lengths:
+                progress.doing(f"{shape}, {length} tokens")
                 generate(prompt(length))  # warm-up: kernels, allocator
                 ids = prompt(length)
                 reference = DynamicCache(config=model.config)
@@ -214,6 +225,7 @@ def _bench_shape(
                     )  # fmt: skip
                 )
                 del reference, floor_cache
+                progress.step(f"{shape}, {length} tokens: done")
     return rows
 
 
