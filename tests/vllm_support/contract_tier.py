@@ -306,3 +306,48 @@ def test_the_schedulers_lookup_only_store_starts_no_metrics_exporter(tmp_path):
             shared_stores.release(worker)
     finally:
         shared_stores.release(lookup)
+
+
+def test_the_tier_reports_its_stores_counters_for_vllms_metrics(tier):
+    """get_stats gives what changed since the last call, under the names build_metric_definitions declares."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    declared = KVStoreTier.build_metric_definitions({})
+    assert {"vllm:kvstore_chunks_put", "vllm:kvstore_tier_up", "vllm:kvstore_tier_written_bytes"} <= set(declared)
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1], promotion=False))
+    assert finish(tier)[0].success
+    tier.store.flush(timeout=10)
+    stats = tier.get_stats()
+    assert isinstance(stats, OffloadingConnectorStats)
+    values = stats.data["data"]
+    assert set(values) <= set(declared)
+    assert values["vllm:kvstore_chunks_put"][()] == 2
+    assert values["vllm:kvstore_tier_written_bytes"][("disk",)] >= 2 * CHUNK_BYTES
+    assert values["vllm:kvstore_tier_up"][("disk",)] == 1
+    again = tier.get_stats().data["data"]  # only gauges: no counter moved since
+    assert "vllm:kvstore_chunks_put" not in again and again["vllm:kvstore_tier_up"][("disk",)] == 1
+
+
+def test_the_connectors_metrics_register_and_observe_on_a_prometheus_registry():
+    """KVStoreConnector.build_prom_metrics: every payload counter lands on the registry vLLM gives it."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvstore.connectors.vllm import KVStoreConnector
+    from kvstore.connectors.vllm.stats import StatsReport
+
+    registry = CollectorRegistry()
+    kinds = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    prom = KVStoreConnector.build_prom_metrics(vllm_config, kinds, ["model_name", "engine"], {0: ["m", "0"]})
+    report = StatsReport()
+    stats = {"connector": {"saved_chunks": 3}, "store": {"puts": 3}, "disk": {"bytes_written": 7, "breaker": {}}}
+    payload = KVStoreConnector.build_kv_connector_stats(report.take(stats).data)
+    prom.observe(payload.data, engine_idx=0)
+    prom.observe(report.take({**stats, "store": {"puts": 5}}).data, engine_idx=0)
+    value = registry.get_sample_value
+    assert value("vllm:kvstore_chunks_put_total", {"model_name": "m", "engine": "0"}) == 5
+    assert value("vllm:kvstore_connector_saved_chunks_total", {"model_name": "m", "engine": "0"}) == 3
+    assert value("vllm:kvstore_tier_written_bytes_total", {"model_name": "m", "engine": "0", "tier": "disk"}) == 7
+    assert value("vllm:kvstore_tier_up", {"model_name": "m", "engine": "0", "tier": "disk"}) == 0

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvstore.connectors.attention_groups import loaded_blocks, saved_blocks
@@ -61,6 +62,7 @@ from kvstore.connectors.vllm.engine_config import (
     warn_of_another_compute_path,
 )
 from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
+from kvstore.connectors.vllm.stats import KVStorePromMetrics, StatsReport
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
@@ -202,6 +204,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._whole_loads = WholeChunkLoads(
             self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters
         )
+        self._report = StatsReport()  # what vLLM's /metrics shows (stats.py)
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -559,6 +562,32 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler_counters:  # a worker: the scheduler's counters, as of the last step
             stats["scheduler"] = dict(self._scheduler_counters)
         return stats
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """What the store and this connector counted since the last step, for vLLM's /metrics.
+
+        Workers holding a store report it; a scheduler does not (its store is the worker's, shared in
+        one process, or a lookup-only one that counts nothing worth showing).
+        """
+        if self._role != KVConnectorRole.WORKER or self.store is None:
+            return None
+        return self._report.take({"connector": self.counters, **self.store.store.stats()})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadingConnectorStats:
+        """The payload's class, on the side of vLLM that sums and logs it."""
+        return OffloadingConnectorStats(data=data) if data is not None else OffloadingConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStorePromMetrics:
+        """kvstore's metrics on vLLM's Prometheus registry (``vllm:kvstore_*``)."""
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self._layer_loads.close()

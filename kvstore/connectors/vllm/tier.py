@@ -46,13 +46,15 @@ from kvstore.connectors.vllm._common import (
     shared_stores,
     vllm_namespace,
 )
+from kvstore.connectors.vllm.stats import StatsReport, metric_definitions
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, namespace_seed
 from kvstore.layout import KVLayout, dtype_from_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger("kvstore.connectors.vllm")
@@ -296,6 +298,7 @@ class KVStoreTier(SecondaryTierManager):
         self._present: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
         self._failed: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
         self.counters = collections.Counter[str]()
+        self._report = StatsReport()
 
     def chunk_key(self, key: OffloadKey) -> ChunkKey:
         return hashlib.sha256(self._seed + bytes(key)).hexdigest()
@@ -463,6 +466,15 @@ class KVStoreTier(SecondaryTierManager):
         """The tier's counters, how it orders rows (``rank_slots`` > 1: rank-major rows it reorders), the store's."""
         rows = {"rank_slots": self.row_order.rank_slots, "chunk_bytes": self.row_order.chunk_bytes}
         return {"tier": dict(self.counters), "rows": rows, **self.store.stats()}
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """kvstore's metrics on vLLM's /metrics (``vllm:kvstore_*``; see :mod:`kvstore.connectors.vllm.stats`)."""
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """What the store counted since the last call (vLLM's offloading code reports it on /metrics)."""
+        return None if self.store is None else self._report.take(self.store.store.stats())
 
     def shutdown(self) -> None:
         self.drain_jobs()
