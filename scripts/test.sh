@@ -31,4 +31,4 @@ cd "$ROOT"
 # Two workers (pytest-xdist): the vLLM engine tests run one after another on one of them (an engine's
 # threads take both cores), the real-model tests on one, everything else wherever a worker is free.
 # TEST_WORKERS=0 runs the suite in this process alone.
-exec "$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec "$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-2}" "$@"

@@ -32,10 +32,14 @@ from kvstore.devtools.servers import (  # noqa: E402 (after the rewrite hook)
 )
 
 # ---------------------------------------------------------------------------------------------
-# Marks: the engine and real-model tests, each kept on one worker when scripts/test.sh runs the
-# suite on two (pytest-xdist --dist loadgroup): an engine's threads take both cores, and the model
-# and the engines' tiny models are then made once, not once per worker.
+# Marks and workers. scripts/test.sh runs the suite on two pytest-xdist workers: the vLLM engine
+# tests one after another on one worker (an engine's threads take both cores; the engines' tiny
+# models are made once), the real-model tests on one (SmolLM2 is loaded once), every other test
+# wherever a worker is free. The marks (engine, real_model) follow the fixtures a test uses; the
+# scheduler sees only test ids, so it groups by the files (and examples) that hold those tests.
 # ---------------------------------------------------------------------------------------------
+ENGINE_FILES = {"test_vllm.py", "test_vllm_shapes.py", "test_vllm_tier.py", "test_vllm_metrics.py"}
+MODEL_FILES = {"test_connector_hf.py", "test_codec_accuracy.py"}
 ENGINE_EXAMPLES = {
     "test_vllm_prefix_cache_prints_a_row_per_source",
     "test_vllm_config_second_engine_loads_the_prefix_from_disk",
@@ -48,10 +52,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if "vllm_python" in fixtures or item.originalname in ENGINE_EXAMPLES:
             item.add_marker(pytest.mark.engine)
-            item.add_marker(pytest.mark.xdist_group("engine"))
         elif "smollm2" in fixtures or item.originalname in MODEL_EXAMPLES:
             item.add_marker(pytest.mark.real_model)
-            item.add_marker(pytest.mark.xdist_group("real_model"))
+
+
+def worker_group(nodeid: str) -> str:
+    """The unit of work a test belongs to: ``engine``, ``real_model``, or the test alone."""
+    path, _, name = nodeid.partition("::")
+    file, test = path.rpartition("/")[2], name.partition("[")[0]
+    if file in ENGINE_FILES or test in ENGINE_EXAMPLES:
+        return "engine"
+    if file in MODEL_FILES or test in MODEL_EXAMPLES:
+        return "real_model"
+    return nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's load-scope scheduler with :func:`worker_group` as the scope (biggest groups handed out first).
+
+    Not ``--dist loadgroup``: pytest-xdist 3.8 marks a group by rewriting a test's id, which
+    pytest 9.2 no longer lets it do, so every group would be spread over both workers.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return EngineGroups(config, log)
 
 
 # ---------------------------------------------------------------------------------------------

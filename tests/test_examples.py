@@ -140,3 +140,12 @@ def test_adaptive_sizing_decides_advises_and_writes_a_trace(tmp_path: Path):
     advised = CliRunner().invoke(app, args, env={"KVSTORE_CONFIG": "", "COLUMNS": "200"})
     assert advised.exit_code == 0, advised.output
     assert "chunk lookups of 32.0 MiB (256 tokens)" in advised.output and "recommendation: DRAM" in advised.output
+
+
+def test_examples_use_the_recommended_codecs_and_state_their_duration():
+    """What the docs recommend (byteplanes or identity) is what the examples configure; each says how long it takes."""
+    for path in sorted(EXAMPLES.glob("*.py")):
+        text = path.read_text()
+        assert "bytesplit" not in text, f"{path.name}: use byteplanes (lossless) or identity, as the docs recommend"
+        docstring = text.split('"""')[1]
+        assert re.search(r"\d+ (s|min|minutes|seconds)\b", docstring), f"{path.name}: its docstring states no duration"
