@@ -53,12 +53,9 @@ class Setup:
     redis_prefix: str
 
     def invoke(self, *args: str) -> tuple[int, str]:
-        """Exit code and output, error boxes unwrapped (rich wraps long messages to the terminal)."""
+        """Exit code and output: stdout alone for --json (what was read is said on stderr), else both."""
         result = runner.invoke(app, [*args, "--config", str(self.config_file)], catch_exceptions=False)
-        output = result.output
-        if "─ Error ─" in output:
-            output = " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())
-        return result.exit_code, output
+        return result.exit_code, result.stdout if "--json" in args else result.output
 
 
 @pytest.fixture

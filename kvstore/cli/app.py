@@ -26,7 +26,7 @@ from kvstore import __version__
 from kvstore.cli import admin, advise, bench, devtools
 from kvstore.cli.console import EXIT_CODES, EXIT_ERRORS, fail
 
-# Click's exception classes, found from typer's (typer >= 0.22 carries its own copy of click).
+# Click's exception classes, found from typer's (recent typer releases carry a copy of click of their own).
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 _UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
