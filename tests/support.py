@@ -6,6 +6,10 @@ import ...``), never from ``conftest``. Helpers for tiers and listings are in :m
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import boto3
 import pytest
 from botocore.config import Config
@@ -34,3 +38,14 @@ def raw_s3_client(server: S3Server):  # a boto3 S3 client (boto3 has no static t
         region_name=server.region,
         config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5, "mode": "standard"}),
     )
+
+
+def chunk_file(root: Path, namespace: str = "m", size: int = 5000, age: float = 0.0) -> Path:
+    """A file where the disk tier keeps a chunk (gc lists by name and size; the contents do not matter)."""
+    key = os.urandom(32).hex()
+    path = root / namespace / key[:2] / key[2:4] / f"{key}.kvc"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    if age:
+        os.utime(path, (time.time() - age, time.time() - age))
+    return path

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import start_server
+from support import chunk_file, start_server
 from typer.testing import CliRunner
 
 from kvstore.cli import app
@@ -62,17 +62,6 @@ def disk_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Pa
     config = tmp_path / "kvstore.toml"
     config.write_text(f'[disk]\npath = "{root}"\n')
     return config, root
-
-
-def chunk_file(root: Path, namespace: str = "m", size: int = 5000, age: float = 0.0) -> Path:
-    """A file where the disk tier keeps a chunk (gc lists by name and size; the contents do not matter)."""
-    key = os.urandom(32).hex()
-    path = root / namespace / key[:2] / key[2:4] / f"{key}.kvc"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x" * size)
-    if age:
-        os.utime(path, (time.time() - age, time.time() - age))
-    return path
 
 
 def test_ls_reads_the_codec_from_each_chunk_header_and_names_what_is_not_a_chunk(tmp_path, monkeypatch) -> None:

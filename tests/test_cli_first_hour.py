@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import start_server
+from support import chunk_file, start_server
 from typer.testing import CliRunner
 
 import kvstore
@@ -43,16 +42,6 @@ def disk_config(tmp_path: Path, root: Path) -> Path:
     config = tmp_path / "kvstore.toml"
     config.write_text(f'[disk]\npath = "{root}"\n')
     return config
-
-
-def chunk_file(root: Path, namespace: str = "m", size: int = 5000, age: float = 0.0) -> Path:
-    key = os.urandom(32).hex()
-    path = root / namespace / key[:2] / key[2:4] / f"{key}.kvc"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x" * size)
-    if age:
-        os.utime(path, (time.time() - age, time.time() - age))
-    return path
 
 
 def one_line_error(result, code: int = 2) -> str:
