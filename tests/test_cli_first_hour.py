@@ -264,3 +264,10 @@ def test_dev_servers_stop_their_servers_and_remove_their_data_on(sig) -> None:
         process.kill()
     assert not Path(f"/proc/{server}").exists()
     assert not workdir.exists()
+
+
+def test_a_configuration_with_several_problems_is_one_line_naming_each(monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_DRAM__CAPACITY", "abc")
+    monkeypatch.setenv("KVSTORE_IO_THREADS", "0")
+    line = one_line_error(runner.invoke(app, ["ls"]))
+    assert line.startswith("invalid kvstore configuration: dram.capacity = 'abc'") and "; io_threads = '0'" in line

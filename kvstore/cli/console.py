@@ -80,8 +80,10 @@ def make_table(title: str, columns: Sequence[str], left: Collection[str] = ()) -
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``message`` in red on stderr; the caller raises the returned exit (default: usage error, code 2).
 
-    Printed as written (no markup read in it) and never wrapped: a one-line message stays one line for scripts.
+    Printed as written (no markup read in it), on one line and never wrapped: a message of several
+    lines (a configuration with several problems) has them joined with "; ", so every error is one line.
     """
+    message = "; ".join(line.strip() for line in message.splitlines() if line.strip()).replace(":;", ":")
     errors.print(f"[red]{escape(message)}[/red]", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
