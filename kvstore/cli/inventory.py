@@ -107,13 +107,14 @@ def check_disk_root(root: Path) -> None:
         raise ConfigError(f"disk tier directory {root} does not exist; {fix}")
     if not root.is_dir():
         raise ConfigError(f"disk tier path {root} is not a directory; {fix}")
+    denied = f"disk tier directory {root} cannot be read (permission denied); run as its owner"
     if not os.access(root, os.R_OK | os.X_OK):
-        raise ConfigError(f"disk tier directory {root} cannot be read (permission denied); run as its owner")
+        raise ConfigError(denied)
     try:
         inside = [entry.name for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)]
     except PermissionError:
-        raise ConfigError(f"disk tier directory {root} cannot be read (permission denied); run as its owner") from None
-    if any(_HEX_PAIR.fullmatch(name) for name in inside) and not any(_HEX_PAIR.fullmatch(n) is None for n in inside):
+        raise ConfigError(denied) from None
+    if inside and all(_HEX_PAIR.fullmatch(name) for name in inside):
         raise ConfigError(
             f"{root} is one namespace of a disk tier (its subdirectories are 2-letter hash prefixes), "
             f"not the tier's directory; give its parent {root.parent}, and --namespace to select it"
