@@ -28,7 +28,8 @@ fi
 # vLLM, in its own environment, for the end-to-end tests of kvstore's vLLM integrations.
 source "$ROOT/scripts/vllm_env.sh"
 cd "$ROOT"
-# Two workers (pytest-xdist): the vLLM engine tests run one after another on one of them (an engine's
-# threads take both cores), the real-model tests on one, everything else wherever a worker is free.
+# Two workers (pytest-xdist): the vLLM engine tests in two groups, each group's one after another on
+# one worker (at most two engines at once), the real-model tests on one, everything else wherever a
+# worker is free (tests/conftest.py).
 # TEST_WORKERS=0 runs the suite in this process alone.
 exec "$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-2}" "$@"

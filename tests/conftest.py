@@ -33,17 +33,22 @@ from kvstore.devtools.servers import (  # noqa: E402 (after the rewrite hook)
 
 # ---------------------------------------------------------------------------------------------
 # Marks and workers. scripts/test.sh runs the suite on two pytest-xdist workers: the vLLM engine
-# tests one after another on one worker (an engine's threads take both cores; the engines' tiny
-# models are made once), the real-model tests on one (SmolLM2 is loaded once), every other test
-# wherever a worker is free. The marks (engine, real_model) follow the fixtures a test uses; the
-# scheduler sees only test ids, so it groups by the files (and examples) that hold those tests.
+# tests in two groups of about the same length, each group's tests one after another on one worker
+# (so at most two engines share the two cores), the real-model tests on one (SmolLM2 is loaded
+# once), every other test wherever a worker is free. The marks (engine, real_model) follow the
+# fixtures a test uses; the scheduler sees only test ids, so it groups by the files (and examples)
+# that hold those tests.
 # ---------------------------------------------------------------------------------------------
-ENGINE_FILES = {"test_vllm.py", "test_vllm_shapes.py", "test_vllm_tier.py", "test_vllm_metrics.py"}
-MODEL_FILES = {"test_connector_hf.py", "test_codec_accuracy.py"}
-ENGINE_EXAMPLES = {
-    "test_vllm_prefix_cache_prints_a_row_per_source",
-    "test_vllm_config_second_engine_loads_the_prefix_from_disk",
+ENGINE_GROUPS = {
+    "test_vllm.py": "engine_a",
+    "test_vllm_tier.py": "engine_a",
+    "test_vllm_metrics.py": "engine_a",
+    "test_vllm_shapes.py": "engine_b",
+    "test_vllm_prefix_cache_prints_a_row_per_source": "engine_b",  # examples (tests/test_examples.py)
+    "test_vllm_config_second_engine_loads_the_prefix_from_disk": "engine_b",
 }
+ENGINE_EXAMPLES = {name for name in ENGINE_GROUPS if not name.endswith(".py")}
+MODEL_FILES = {"test_connector_hf.py", "test_codec_accuracy.py"}
 MODEL_EXAMPLES = {"test_hf_prefix_cache_prints_a_row_per_tier"}
 
 
@@ -57,11 +62,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def worker_group(nodeid: str) -> str:
-    """The unit of work a test belongs to: ``engine``, ``real_model``, or the test alone."""
+    """The unit of work a test belongs to: an engine group, ``real_model``, or the test alone."""
     path, _, name = nodeid.partition("::")
     file, test = path.rpartition("/")[2], name.partition("[")[0]
-    if file in ENGINE_FILES or test in ENGINE_EXAMPLES:
-        return "engine"
+    if file in ENGINE_GROUPS or test in ENGINE_GROUPS:
+        return ENGINE_GROUPS.get(file) or ENGINE_GROUPS[test]
     if file in MODEL_FILES or test in MODEL_EXAMPLES:
         return "real_model"
     return nodeid
