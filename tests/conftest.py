@@ -50,6 +50,8 @@ ENGINE_GROUPS = {
 ENGINE_EXAMPLES = {name for name in ENGINE_GROUPS if not name.endswith(".py")}
 MODEL_FILES = {"test_connector_hf.py", "test_codec_accuracy.py"}
 MODEL_EXAMPLES = {"test_hf_prefix_cache_prints_a_row_per_tier"}
+# Files and tests the scheduler keeps together on one worker (tests/test_install.py: one wheel, built once).
+GROUPS = {**ENGINE_GROUPS, **dict.fromkeys(MODEL_FILES | MODEL_EXAMPLES, "real_model"), "test_install.py": "install"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,14 +64,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def worker_group(nodeid: str) -> str:
-    """The unit of work a test belongs to: an engine group, ``real_model``, or the test alone."""
+    """The unit of work a test belongs to: its group in :data:`GROUPS` (by file or test name), or itself."""
     path, _, name = nodeid.partition("::")
     file, test = path.rpartition("/")[2], name.partition("[")[0]
-    if file in ENGINE_GROUPS or test in ENGINE_GROUPS:
-        return ENGINE_GROUPS.get(file) or ENGINE_GROUPS[test]
-    if file in MODEL_FILES or test in MODEL_EXAMPLES:
-        return "real_model"
-    return nodeid
+    return GROUPS.get(file) or GROUPS.get(test) or nodeid
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

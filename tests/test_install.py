@@ -30,8 +30,7 @@ import torch
 
 import kvstore
 
-# One worker builds and installs once for every test here (scripts/test.sh: pytest-xdist --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("install")
+# One worker builds and installs once for every test here (tests/conftest.py keeps this file's tests together)
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "kvstore-tiered"
