@@ -80,8 +80,13 @@ async def test_second_sighting_writes_nothing_below_for_one_off_prompts(tmp_path
     fixed = await run(tmp_path, workloads.all_unique(2000, seed=13), 500)
     selective = await run(tmp_path, workloads.all_unique(2000, seed=13), 500, policy="second-sighting")
     assert fixed.written_below >= 2000 * 8 * CHUNK
-    assert selective.written_below == 0
-    assert selective.adaptive["held_back"] == 2000 * 8
+    # The sighting sketch (count-min, 2 rows of 4M slots, hashed per process) takes a chunk seen once for
+    # one seen twice only where other chunks share its slot in both rows: about 0.1 of these 16,000
+    # chunks on average, so a run may write one below; 5 or more would be a broken sketch (p < 1e-6).
+    false_positives = 2000 * 8 - selective.adaptive["held_back"]
+    assert 0 <= false_positives <= 4
+    assert (selective.written_below > 0) == (false_positives > 0)
+    assert selective.written_below <= false_positives * 8 * CHUNK  # a chunk's file: the chunk and its header
 
 
 async def test_second_sighting_writes_a_prefix_once_it_comes_back(tmp_path: Path) -> None:
