@@ -37,7 +37,7 @@ from kvstore.cli.console import (
     progress_bar,
     run,
 )
-from kvstore.util.lazy import lazy_import
+from kvstore.util.lazy import Deferred
 from kvstore.util.units import human_age, human_bytes
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from kvstore.cli import inventory
     from kvstore.config import StoreConfig
 else:
-    inventory = lazy_import("kvstore.cli.inventory")  # the backends, and torch: only when a command runs
+    inventory = Deferred("kvstore.cli.inventory")  # the backends, and torch: only when a command runs
 
 # -- helpers ------------------------------------------------------------------------------------
 

@@ -83,7 +83,9 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     Printed as written (no markup read in it), on one line and never wrapped: a message of several
     lines (a configuration with several problems) has them joined with "; ", so every error is one line.
     """
-    message = "; ".join(line.strip() for line in message.splitlines() if line.strip()).replace(":;", ":")
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    head, problems = (lines[0], lines[1:]) if lines and lines[0].endswith(":") else ("", lines)
+    message = " ".join(filter(None, [head, "; ".join(problems)]))
     errors.print(f"[red]{escape(message)}[/red]", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 

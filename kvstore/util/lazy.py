@@ -25,8 +25,3 @@ class Deferred:
 
     def __repr__(self) -> str:
         return f"<deferred module {self._name!r}>"
-
-
-def lazy_import(name: str) -> Any:
-    """The module ``name``, imported when one of its attributes is first read (see :class:`Deferred`)."""
-    return Deferred(name)

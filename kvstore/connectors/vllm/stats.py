@@ -109,7 +109,7 @@ METRICS: dict[str, Metric] = {
         "gauge", "Bytes a kvstore tier below DRAM holds (where it keeps count).", read_tier=_path("bytes_used")
     ),
 }
-TIER_SECTIONS = ("disk", "redis", "s3")  # the keys of KVStore.stats() that are tiers
+NOT_TIERS = frozenset({"store", "dram", "adaptive", "connector"})  # every other section of the stats is a tier
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -129,12 +129,13 @@ class StatsReport:
     def take(self, stats: Stats) -> OffloadingConnectorStats | None:
         """The payload for ``stats`` (a store's, with the connector's counters); None if nothing to say."""
         report = OffloadingConnectorStats()
+        tiers = [(name, part) for name, part in stats.items() if name not in NOT_TIERS and isinstance(part, Mapping)]
         for name, metric in METRICS.items():
             readings: list[tuple[tuple[str, ...], float | None]] = []
             if metric.read is not None:
                 readings.append(((), metric.read(stats)))
             if metric.read_tier is not None:
-                readings += [((tier,), metric.read_tier(stats[tier])) for tier in TIER_SECTIONS if tier in stats]
+                readings += [((tier,), metric.read_tier(section)) for tier, section in tiers]
             for labels, value in readings:
                 if value is None:
                     continue
