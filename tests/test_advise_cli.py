@@ -159,3 +159,23 @@ def test_choices_are_shown_and_checked(tmp_path: Path) -> None:
     assert "zipf|multi-turn|rag|unique|phase" in help_text and "write-through|second-sighting" in help_text
     code, out = invoke("--synthetic", "ragg")
     assert code == 2 and "'ragg' is not one of" in out, out
+
+
+def test_the_output_says_its_curves_assume_lru_and_names_a_tier_configured_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(trace(tmp_path, hot_zipf()))
+    code, out = invoke(path, *SIZES)
+    assert code == 0, out
+    assert "hit rates assume LRU eviction" in out and "the config sets" not in out
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[dram]\neviction = "s3fifo"\n[disk]\neviction = "arc"\n')
+    monkeypatch.setenv("KVSTORE_CONFIG", str(config))
+    code, out = invoke(path, *SIZES)
+    assert code == 0, out
+    out = " ".join(out.split())  # the console wraps long lines
+    assert "the config sets dram.eviction = 's3fifo', disk.eviction = 'arc', whose hit rates differ" in out
+    code, out = invoke(path, *SIZES, "--json")
+    document = json.loads(out)
+    assert document["curve_eviction"] == "lru"
+    assert document["configured_eviction"] == {"dram": "s3fifo", "disk": "arc"}

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from kvstore.cli import app
 from kvstore.codecs import CodecPipeline, IdentityCodec, SegmentSpec, make_codec
 from kvstore.devtools import bench_accuracy as a
+from kvstore.devtools.stdlib_prompts import PROMPT_MODULES, module_documentation, prompt_length
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import Buffer
 
@@ -110,11 +111,11 @@ def test_rows_pool_prompts_and_the_table_compares_with_the_exact_row():
 
 
 def test_prompt_lengths_are_drawn_from_the_name():
-    lengths = [a.prompt_length(name, 1024, 2048) for name in a.PROMPT_MODULES]
-    assert lengths == [a.prompt_length(name, 1024, 2048) for name in a.PROMPT_MODULES]
+    lengths = [prompt_length(name, 1024, 2048) for name in PROMPT_MODULES]
+    assert lengths == [prompt_length(name, 1024, 2048) for name in PROMPT_MODULES]
     assert all(1024 <= n <= 2048 for n in lengths) and len(set(lengths)) > len(lengths) // 2
-    assert a.PROMPT_MODULES == tuple(sorted(a.PROMPT_MODULES))
-    text = a.module_documentation("json")
+    assert PROMPT_MODULES == tuple(sorted(PROMPT_MODULES))
+    text = module_documentation("json")
     assert text.startswith("JSON (JavaScript Object Notation)") and "\n\ndumps\n" in text
 
 

@@ -16,7 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvstore.cli import app
-from kvstore.devtools.bench_remote import REMOTE_CODECS, parse_remotes, run_remote, serve
+from kvstore.devtools.bench_remote import REMOTE_CODECS, run_remote
+from kvstore.devtools.bench_remote_servers import parse_remotes, serve
 
 runner = CliRunner()
 

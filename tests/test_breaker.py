@@ -5,7 +5,6 @@ test_remote_faults.py)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,10 +12,9 @@ import torch
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.codecs import make_codec
 from kvstore.engine import metrics
-from kvstore.engine.operations import TierOperations
 from kvstore.errors import ConfigError, TierSkipped, TierTimeout
-from kvstore.storage.breaker import CircuitBreaker, note_failure, unreachable
-from kvstore.storage.stats import Histogram, TierStats
+from kvstore.storage.breaker import CircuitBreaker, unreachable
+from kvstore.storage.health import Attempt, TierHealth
 from kvstore.storage.tier import ChunkTier
 from kvstore.testing.memory import MemoryBackend
 
@@ -107,49 +105,51 @@ def test_disabled_breaker_never_opens() -> None:
     assert cb.state == "closed" and cb.admit()
 
 
-async def test_guard_counts_timeouts_and_noted_errors_not_misses() -> None:
+def health(clock: Clock, failures: int = 3) -> TierHealth:
+    return TierHealth("redis", breaker(clock, failures=failures))
+
+
+async def test_run_counts_timeouts_and_noted_errors_not_misses() -> None:
     clock = Clock()
-    cb = breaker(clock, failures=2)
+    tier = health(clock, failures=2)
 
-    async def answer(fail: bool) -> None:
+    async def answer(attempt: Attempt, fail: bool) -> None:
         if fail:
-            note_failure()  # what ChunkTier does where it counts an error
+            attempt.fail()  # what ChunkTier does where it counts an error of the tier
 
-    with cb.guard():
-        await asyncio.ensure_future(answer(fail=True))  # a task made inside the guard reports to it
-    with pytest.raises(TimeoutError), cb.guard():
-        raise TimeoutError
-    assert cb.state == "open"
-    skipped = []
-    with pytest.raises(TierSkipped), cb.guard(writes=3, on_skip=lambda: skipped.append(1)):
-        pytest.fail("an open breaker must not run the operation")
-    assert skipped == [1] and cb.skipped_writes == 3
+    await tier.run(lambda attempt: answer(attempt, fail=True), 1.0)
+    with pytest.raises(TimeoutError):
+        await tier.run(lambda attempt: asyncio.Event().wait(), 0.001)  # a timeout is a failure
+    assert tier.breaker.state == "open" and tier.stats.timeouts == 1
+    skipped, called = [], []
+    with pytest.raises(TierSkipped):
+        await tier.run(lambda attempt: called.append(1), 1.0, writes=3, on_end=lambda: skipped.append(1))  # type: ignore[arg-type,func-returns-value]
+    assert skipped == [1] and called == [] and tier.breaker.skipped_writes == 3
     clock.now += 1.0
-    with cb.guard():  # the probe: a miss (no noted failure) is an answer
-        await answer(fail=False)
-    assert cb.state == "closed"
+    await tier.run(lambda attempt: answer(attempt, fail=False), 1.0)  # the probe: a miss is an answer
+    assert tier.breaker.state == "closed"
 
 
 async def test_a_failure_is_blamed_on_its_own_operation_only() -> None:
     """Concurrent operations on one tier: one that fails must not count against the others."""
-    cb = breaker(Clock(), failures=2)
+    tier = health(Clock(), failures=2)
     started, go = asyncio.Event(), asyncio.Event()
 
-    async def healthy() -> None:
-        with cb.guard():
-            started.set()
-            await go.wait()
+    async def healthy(attempt: Attempt) -> None:
+        started.set()
+        await go.wait()
 
-    async def failing() -> None:
-        with cb.guard():
-            await started.wait()
-            note_failure()
+    async def failing(attempt: Attempt) -> None:
+        await started.wait()
+        attempt.fail()
         go.set()
 
-    await asyncio.gather(healthy(), failing(), healthy())
-    assert cb.state == "closed"  # blamed on all three, it would have opened
-    cb.failure()
-    assert cb.state == "closed"  # the healthy ones answered after the failure: the count starts again
+    await asyncio.gather(
+        *(tier.run(op, 5.0, detached=detached) for op in (healthy, failing, healthy) for detached in (True, False))
+    )
+    assert tier.breaker.state == "closed"  # blamed on all six, it would have opened
+    tier.breaker.failure()
+    assert tier.breaker.state == "closed"  # the healthy ones answered after the failure: the count starts again
 
 
 async def test_a_cancelled_probe_lets_the_next_caller_probe() -> None:
@@ -158,12 +158,8 @@ async def test_a_cancelled_probe_lets_the_next_caller_probe() -> None:
     cb.failure()
     clock.now += 1.0
     hang = asyncio.Event()
-
-    async def probe() -> None:
-        with cb.guard():
-            await hang.wait()
-
-    task = asyncio.create_task(probe())
+    tier = TierHealth("redis", cb)
+    task = asyncio.create_task(tier.run(lambda attempt: hang.wait(), None, detached=False))
     await asyncio.sleep(0)
     assert cb.state == "half-open"
     task.cancel()
@@ -216,7 +212,8 @@ class DeadServer(MemoryBackend):
 
 
 def two_tiers(dead: DeadServer, below: MemoryBackend) -> list[ChunkTier]:
-    return [ChunkTier(backend, make_codec("identity"), LAYOUT, None) for backend in (dead, below)]
+    settings = store_config().breaker  # each tier is built with its breaker (the store does not swap it)
+    return [ChunkTier(backend, make_codec("identity"), LAYOUT, None, breaker=settings) for backend in (dead, below)]
 
 
 def store_config() -> StoreConfig:
@@ -302,13 +299,12 @@ async def test_corrupt_objects_are_not_failures_of_their_tier(caplog) -> None:
 async def test_a_timeout_cut_short_by_the_calls_deadline_is_not_the_tiers_failure() -> None:
     """get_many and lookup share one deadline across tiers: a tier left less than its fair share of it
     (blame=False) that times out was cut short by the tiers before it, and must not open its breaker."""
-    tier = SimpleNamespace(name="redis", stats=TierStats(), breaker=breaker(Clock(), failures=1))
-    operations, never = TierOperations(), asyncio.Event()
+    tier, never = health(Clock(), failures=1), asyncio.Event()
     with pytest.raises(TierTimeout):
-        await operations.bounded(never.wait(), 0.001, tier, Histogram(), blame=False)
+        await tier.run(lambda attempt: never.wait(), 0.001, blame=False)
     assert tier.breaker.state == "closed" and tier.stats.timeouts == 1  # counted as a timeout, not a failure
     with pytest.raises(TierTimeout):
-        await operations.bounded(never.wait(), 0.001, tier, Histogram())
+        await tier.run(lambda attempt: never.wait(), 0.001)
     assert tier.breaker.state == "open"
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvstore.devtools import bench_accuracy as a
+from kvstore.devtools.stdlib_prompts import prompt_length, stdlib_prompts
 
 CODECS = ["identity", "byteplanes", "fp8", "int8+zstd", "int4+zstd", "nope+zstd"]
 # Measured on this machine (2 prompts): see the assertions; the bars sit well below.
@@ -26,9 +27,9 @@ MIN_AGREEMENT = {"identity": 0.9, "fp8": 0.6, "int8+zstd": 0.8, "int4+zstd": 0.6
 def rows(smollm2) -> dict[str, a.AccuracyRow]:
     torch.manual_seed(0)
     tokenizer, model = smollm2
-    prompts = a.stdlib_prompts(tokenizer, 2, min_tokens=512, max_tokens=768)
+    prompts = stdlib_prompts(tokenizer, 2, min_tokens=512, max_tokens=768)
     assert [len(prompt.ids) for prompt in prompts] == [
-        a.prompt_length(prompt.source, 512, 768) for prompt in prompts
+        prompt_length(prompt.source, 512, 768) for prompt in prompts
     ]  # each truncated to its drawn length
     return {row.codec: row for row in a.run_accuracy(model, prompts, CODECS, generated=32)}
 

@@ -468,6 +468,33 @@ def test_quantizers_keep_constant_groups_exact_and_are_not_poisoned_by_inf_or_na
     assert float(out[1, 9, 0, 1]) == float(out[1, 9, 0].min()), "-inf decodes to its group's min"
 
 
+@pytest.mark.parametrize("name", ["hadamard", "hadamard+int4", "hadamard+int8"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_hadamard_confines_a_nan_or_an_inf_to_its_own_value(name, dtype):
+    """A rotation mixes a head vector's channels: one NaN or inf must not reach the other 63 (nor the
+    quantizer's groups after it). NaN stands in as 0, +inf as its head vector's largest finite value:
+    everything decodes exactly as the segment holding those stand-ins does."""
+    segment = torch.randn((2, 16, 2, 64), generator=torch.Generator().manual_seed(11)).to(dtype)
+    stand_ins = segment.clone()
+    segment[0, 3, 1, 5], stand_ins[0, 3, 1, 5] = float("nan"), 0.0
+    segment[1, 9, 0, 17] = float("inf")
+    stand_ins[1, 9, 0, 17] = stand_ins[1, 9, 0, torch.arange(64) != 17].max()
+    codec = make_codec(name)
+    out = decode(codec, encode(codec, segment), spec_of(segment))
+    assert torch.equal(out, decode(codec, encode(codec, stand_ins), spec_of(stand_ins)))
+    if name == "hadamard":  # the rotation's own error only: float32 rounding, then the dtype's
+        finite = torch.isfinite(segment)
+        error = (out.float() - segment.float()).abs()[finite]
+        bound = torch.finfo(dtype).eps * segment.float().abs()[finite] + 1e-5
+        assert bool((error <= bound).all()), float((error - bound).max())
+
+
+def test_hadamard_refuses_head_vectors_whose_rotation_overflows():
+    segment = torch.full((2, 4, 1, 64), 3e38, dtype=torch.float32)
+    with pytest.raises(CodecError, match="overflows float32"):
+        encode(make_codec("hadamard"), segment)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4", "int4:32", "int8:5", "int4:1", "hadamard+int4", "int4+zstd"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize(

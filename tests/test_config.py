@@ -783,3 +783,13 @@ def test_a_disk_capacity_below_one_chunk_fails_at_open_and_deletes_nothing(tmp_p
     text = error_text(excinfo)
     assert_mentions(text, "disk.capacity", f"{small:,} bytes", f"{layout.chunk_nbytes:,} bytes", "256.0 KiB")
     assert others.exists()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("url", ["http://cache:6379/0", "valkey://cache:6379", "cache:6379", "redis:/cache:6379"])
+def test_a_redis_url_with_another_scheme_is_refused_with_the_key_and_the_fix(url, enabled):
+    """Also while the tier is off: it is turned on later (or read by the tools) with the same URL."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(redis={"enabled": enabled, "url": url})
+    message = str(excinfo.value)
+    assert "redis.url" in message and "set redis.url to e.g. redis://127.0.0.1:6379/0" in message, message

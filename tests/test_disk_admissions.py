@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_disk_direct import LAYOUT, caller_buffers, config, make_chunk, stored
 
-import kvstore.storage.tier as tier_module
+import kvstore.storage.chunk_reads as chunk_reads
 from kvstore import KVStore, chunk_keys
 from kvstore.backends.disk import DiskBackend
 from kvstore.engine.dram import SlabPool
@@ -28,14 +28,14 @@ async def test_a_cancelled_call_never_discards_a_good_file_as_corrupt(
     """The caller reuses its buffer as soon as the cancelled call returns; the file's check must not see that."""
     keys = await stored(tmp_path, 1)
     entered, gate = threading.Event(), threading.Event()
-    verify = tier_module.verify_segments
+    verify = chunk_reads.verify_segments
 
     def held_verify(*args: object, **kwargs: object) -> None:
         entered.set()
         gate.wait(30)
         verify(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tier_module, "verify_segments", held_verify)
+    monkeypatch.setattr(chunk_reads, "verify_segments", held_verify)
     cfg = config(tmp_path, timeouts={"get": 30.0, "put": 2.0, "close": 2.0})
     async with KVStore(cfg, LAYOUT, namespace="test") as store:
         backend = store.tiers[0].backend
@@ -52,10 +52,9 @@ async def test_a_cancelled_call_never_discards_a_good_file_as_corrupt(
         with pytest.raises(asyncio.CancelledError):
             await call
         outs[0].zero_()
-        monkeypatch.setattr(tier_module, "verify_segments", verify)
-        running = store._operations._running  # every tier operation still running, the call's read included
-        while running:
-            await asyncio.wait(list(running))
+        monkeypatch.setattr(chunk_reads, "verify_segments", verify)
+        while running := store.tiers[0].health.running:  # every tier operation still running, the call's read too
+            await asyncio.wait(running)
         await store.flush()
         disk = store.stats()["disk"]
         assert path.exists() and disk["corrupt"] == 0 and disk["errors"] == 0

@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -26,7 +28,7 @@ from typer.testing import CliRunner
 
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.backends import make_backend
-from kvstore.backends.disk import DiskBackend
+from kvstore.backends.disk import DiskBackend, temporary_name
 from kvstore.cli import app
 from kvstore.cli.admin import EXIT_DAMAGED, EXIT_DECLINED, EXIT_OK, EXIT_USAGE
 from kvstore.cli.inventory import Retention, namespace_filter, plan_gc, run_gc, tool_backends
@@ -571,3 +573,37 @@ def test_verify_spares_a_damaged_chunk_an_engine_rewrote_meanwhile(setup: Setup,
             time.sleep(1.1)  # a rewrite within the same second would look unchanged to S3's listing
         assert asyncio.run(scenario(tier)) == (0, 6), tier
         assert len(stored_keys(setup, tier, "checked")) == 12, tier
+
+
+# -- temporary files of writers that were killed ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["gc", "--max-age", "1d", "--yes"], ["verify"]], ids=["gc", "verify"])
+def test_gc_and_verify_remove_a_killed_writers_temporary_at_once_and_keep_a_live_ones(tmp_path, monkeypatch, args):
+    """A temporary is named with its writer (pid, start time, machine): one whose writer has exited goes
+    at once, not only once it is older than disk.STALE_TMP_SECONDS; a live writer's stays."""
+    for name in list(os.environ):
+        if name.upper().startswith("KVSTORE"):
+            monkeypatch.delenv(name)
+    root = tmp_path / "disk"
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[disk]\npath = "{root}"\n')
+    shard = root / namespace_dir("model") / "ab" / "cd"
+    shard.mkdir(parents=True)
+    final = str(shard / f"abcd{'0' * 60}.kvc")
+    writer = (  # a writer that dies mid-write: its temporary named as a store's write names it, never renamed
+        "import os, sys\nfrom kvstore.backends.disk import temporary_name\n"
+        "with open(temporary_name(sys.argv[1]), 'wb') as file:\n    file.write(b'half a chunk')\nos._exit(9)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", writer, final], check=False)
+    assert child.returncode == 9
+    (killed,) = shard.glob("*.tmp-*")
+    live = Path(temporary_name(final))  # this process: a write in progress
+    live.write_bytes(b"being written")
+    result = runner.invoke(app, [*args, "--config", str(config)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert not killed.exists(), "the killed writer's temporary is still there"
+    assert live.exists(), "a live writer's temporary was removed"
+    output = " ".join(result.output.split())
+    assert "removed 1 temporary files (12 B) of writers that no longer run" in output, output
+    assert "left 1 temporary files younger than 10 min" in output, output

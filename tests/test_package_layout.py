@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "kvstore"
 # Lowest first: a unit may import units to its left, never one to its right.
 LAYERS = [
-    ["kvstore.util", "kvstore.errors"],
+    ["kvstore.util", "kvstore.errors", "kvstore.eviction"],
     ["kvstore.layout"],
     ["kvstore.keys", "kvstore.codecs"],
     ["kvstore.config"],

@@ -8,6 +8,7 @@ lower bound on time, never a race. The prefill rate is pinned in the config.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 
 import pytest
@@ -23,14 +24,26 @@ from kvstore.testing.slow_proxy import SlowProxy
 MB = 1_000_000
 
 
-def planner(prefill: float | None = 1000.0, enabled: bool = True) -> LoadPlanner:
+class ManualClock:
+    """The planner's clock, moved by hand: staleness without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def planner(prefill: float | None = 1000.0, enabled: bool = True, clock: ManualClock | None = None) -> LoadPlanner:
     """Chunks of 1 MB and 100 tokens: at 1000 tokens/s a chunk costs 0.1 s to recompute."""
-    return LoadPlanner(PlannerConfig(enabled=enabled, prefill_tokens_per_s=prefill), MB, 100, 10e9)
+    config = PlannerConfig(enabled=enabled, prefill_tokens_per_s=prefill)
+    return LoadPlanner(config, MB, 100, 10e9, probe_interval=30.0, clock=clock or ManualClock())
 
 
 def set_estimate(plan: LoadPlanner, tier: str, latency: float, bytes_per_s: float, local: bool = False) -> None:
     estimate = plan.estimate(tier, local)
     estimate.latency_s, estimate.bytes_per_s, estimate.reads = latency, bytes_per_s, 1  # as if measured
+    estimate.read_at = plan.clock()
 
 
 # -- the arithmetic ------------------------------------------------------------------------------
@@ -82,7 +95,9 @@ def test_an_engine_that_has_not_measured_its_prefill_is_never_refused_a_hit():
     set_estimate(plan, "s3", 10.0, 1.0)  # absurdly slow
     result = plan.plan(["s3", "s3"])
     assert result.load == 2 and result.recompute_seconds == math.inf
-    plan.observe_prefill(1000, 1.0)  # now it has: 0.1 s a chunk
+    plan.observe_prefill(1000, 1.0)  # one step is not a rate yet: it could be an outlier
+    assert plan.prefill_tokens_per_s is None and plan.plan(["s3", "s3"]).load == 2
+    plan.observe_prefill(2000, 2.0)  # now it has: 0.1 s a chunk
     assert plan.prefill_tokens_per_s == 1000
     assert plan.plan(["s3", "s3"]).load == 0
 
@@ -119,6 +134,91 @@ def test_the_prefill_clock_times_prefill_steps_and_leaves_out_decodes_and_idle_g
         clock.step(512, now=now)
     assert plan.measured_prefill < 1024
     PrefillClock(None, 100).step(512)  # a rank without a store measures nothing (and does not fail)
+
+
+def test_a_tier_refused_during_a_slow_spell_is_probed_and_loaded_again_once_fast():
+    """Redis measured at 1 MB/s (1 s a chunk against 0.1 s of recompute) is refused; once its read
+    estimate is older than the probe interval, one plan loads one Redis chunk more, and that read
+    replaces the stale estimate: a link fast again is loaded from the next plan on."""
+    clock = ManualClock()
+    plan = planner(clock=clock)
+    set_estimate(plan, "disk", 0.001, 1e9, local=True)
+    plan.observe_read("redis", 0.005 + 1.0, MB, local=False)  # the slow spell
+    prefix = ["disk"] * 3 + ["redis"] * 5
+    for _ in range(12):  # within the interval: refused, never probed
+        clock.now += 2.0
+        result = plan.plan(prefix)
+        assert (result.load, result.probe) == (3, None)
+    clock.now += 30.0
+    probe = plan.plan(prefix)
+    assert (probe.load, probe.probe) == (4, "redis"), "a stale refused tier must be re-measured"
+    plan.observe_read("redis", 0.005 + 0.01, MB, local=False)  # the probe's read: 100 MB/s again
+    assert plan.estimate("redis").bytes_per_s == pytest.approx(1e8), "a stale estimate is replaced, not averaged"
+    assert (plan.plan(prefix).load, plan.plan(prefix).probe) == (8, None)
+
+
+def test_a_probe_that_finds_the_tier_still_slow_refuses_it_for_another_interval():
+    clock = ManualClock()
+    plan = planner(clock=clock)
+    plan.observe_read("s3", 0.005 + 1.0, MB, local=False)
+    clock.now += 31.0
+    assert plan.plan(["s3", "s3"]).probe == "s3"
+    plan.observe_read("s3", 0.005 + 2.0, MB, local=False)  # still slow (0.5 MB/s)
+    for _ in range(5):
+        clock.now += 5.0
+        assert (plan.plan(["s3", "s3"]).load, plan.plan(["s3", "s3"]).probe) == (0, None)
+
+
+def test_a_tier_slow_to_answer_is_never_probed_and_a_slow_dram_path_is():
+    """Lookups keep a tier's latency fresh: a probe could not help a tier whose latency alone
+    loses. DRAM's seed counts as a measurement: one seeded too slow is probed like any tier."""
+    clock = ManualClock()
+    plan = planner(clock=clock)
+    set_estimate(plan, "s3", 10.0, 1e9)  # 10 s per request
+    plan.dram.bytes_per_s = 1e6  # 1 s a chunk
+    clock.now += 3600.0
+    assert (plan.plan(["s3", "s3"]).load, plan.plan(["s3", "s3"]).probe) == (0, None)
+    assert (plan.plan([DRAM, DRAM]).load, plan.plan([DRAM, DRAM]).probe) == (1, DRAM)
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf, -1.0, 0.0])
+def test_a_prefill_measurement_that_is_not_a_finite_positive_number_is_ignored_and_counted(seconds, caplog):
+    plan = planner(prefill=None)
+    for _ in range(3):
+        plan.observe_prefill(1000, 1.0)
+    for _ in range(3):
+        plan.observe_prefill(256, seconds)
+    plan.observe_prefill(math.inf, 1.0)
+    assert plan.prefill_tokens_per_s == 1000
+    assert plan.plan([DRAM, DRAM]).load == 2
+    assert plan.describe()["prefill_rejected"] == 4
+    assert len([r for r in caplog.records if "prefill measurement" in r.getMessage()]) == 1, "logged once"
+
+
+def test_one_outlier_prefill_step_never_refuses_a_dram_hit():
+    """2,048 tokens in 1 us (a clock glitch) between steady steps: the rate stays the steps' own."""
+    plan = planner(prefill=None)
+    plan.dram.bytes_per_s = 1e9  # a DRAM chunk costs 1 ms against 100 ms of recompute
+    for _ in range(4):
+        plan.observe_prefill(1000, 1.0)
+    plan.observe_prefill(2048, 1e-6)
+    for step in range(16):
+        assert plan.plan([DRAM] * 4).load == 4, f"step {step} after the outlier refused a DRAM hit"
+        plan.observe_prefill(1000, 1.0)
+    fresh = planner(prefill=None)  # the outlier first: one step is not a rate, two give the lower one
+    fresh.dram.bytes_per_s = 1e9
+    fresh.observe_prefill(2048, 1e-6)
+    fresh.observe_prefill(1000, 1.0)
+    assert fresh.prefill_tokens_per_s == 1000 and fresh.plan([DRAM] * 4).load == 4
+
+
+@pytest.mark.parametrize("section", ["planner", "adaptive"])
+@pytest.mark.parametrize("value", [math.inf, math.nan, "inf"])
+def test_a_prefill_rate_setting_that_is_not_finite_is_refused_with_the_key_named(section, value):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(**{section: {"prefill_tokens_per_s": value}})
+    message = str(excinfo.value)
+    assert f"{section}.prefill_tokens_per_s" in message and "finite" in message, message
 
 
 @pytest.mark.parametrize(
@@ -200,6 +300,16 @@ async def test_a_bandwidth_starved_tier_is_recomputed_once_reads_have_measured_i
         loaded = await store.get_many(keys[: plan.load])
         assert [int(chunk[0, 0, 0, 0, 0]) for chunk in loaded] == [0, 1, 2]
         assert store.stats()["disk"]["hits"] == 3
+        # The link is fast again: once Redis's estimate is stale, a plan probes one chunk of it, and
+        # that read alone (measured by the store's own counters) brings the whole prefix back.
+        redis_proxy.bytes_per_s = None
+        store.planner.clock = lambda: time.monotonic() + store.planner.probe_interval
+        plan = await store.plan(keys)
+        assert (plan.load, plan.probe) == (4, "redis")
+        loaded = await store.get_many(keys[: plan.load])
+        assert [int(chunk[0, 0, 0, 0, 0]) for chunk in loaded] == [0, 1, 2, 3]
+        plan = await store.plan(keys)
+        assert (plan.load, plan.probe) == (8, None), f"the probed Redis ({store.planner.describe()}) is fast again"
 
 
 async def test_a_tier_whose_every_request_is_delayed_is_recomputed_from_its_lookups_alone(tmp_path, redis_proxy):

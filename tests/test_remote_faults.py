@@ -9,6 +9,7 @@ The time bounds below are generous upper limits on "does not hang", not performa
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -249,3 +250,37 @@ async def test_breaker_skips_a_frozen_redis_above_s3_and_a_probe_closes_it(
         assert await reader.put(keys_for(reader, seed=9, count=1)[0], chunk(9))
         await reader.flush()
         assert reader.stats()["redis"]["writes"] == written + 1  # writes reach Redis again
+
+
+async def test_a_killed_redis_logs_one_line_per_state_change_not_one_per_socket_write(request, caplog):
+    """Puts of many-layer chunks (one socket write per layer) to a Redis that was killed: the tier
+    says once that it is unreachable and the breaker once that it opened; asyncio's transport never
+    warns of writes to a lost connection."""
+    caplog.set_level(logging.INFO)
+    server = start_server(RedisServer())
+    request.addfinalizer(server.close)
+    layout = KVLayout(num_layers=32, num_kv_heads=1, head_dim=16, chunk_tokens=16, dtype=torch.bfloat16)
+    redis = {"enabled": True, "url": server.url, "codec": "identity", "connect_timeout": 0.5}
+    config = StoreConfig(
+        dram={"capacity": layout.chunk_nbytes * 64},
+        disk={"enabled": False},
+        timeouts={"get": GET_TIMEOUT, "put": 2.0, "close": 3.0},
+        redis=redis,
+    )
+    async with KVStore(config, layout, f"faults-{uuid.uuid4().hex[:8]}") as store:
+        keys = store.chunk_keys(list(range(16 * layout.chunk_tokens)))
+        kv = torch.zeros(layout.chunk_shape, dtype=layout.dtype)
+        for key in keys[:4]:
+            assert await store.put(key, kv)
+        await store.flush()
+        assert store.stats()["redis"]["writes"] == 4  # the pooled connections are open
+        server.stop()
+        caplog.clear()
+        for key in keys[4:]:
+            assert await store.put(key, kv)  # DRAM at once; the Redis writes fail in the background
+        await asyncio.wait_for(store.flush(), HANG_BOUND * 2)
+        assert store.stats()["redis"]["errors"] >= 1
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [m for m in messages if "socket.send() raised exception" in m], len(messages)
+    assert sum("is unreachable" in m for m in messages) == 1, messages
+    assert sum("circuit breaker open" in m for m in messages) <= 1, messages

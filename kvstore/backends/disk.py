@@ -9,9 +9,10 @@
 - A write goes to a private temporary name, then ``os.replace`` puts it in place: a reader,
   in this process or another one sharing the directory, sees a whole file or none.
 - Files are created 0600 and directories 0700: KV caches reveal prompts.
-- A byte budget is kept with an LRU index rebuilt by scanning at start, ordered by mtime;
+- A byte budget is kept with an index that evicts by the ``disk.eviction`` policy
+  (:mod:`kvstore.eviction`; LRU by default), rebuilt by scanning at start, ordered by mtime;
   a hit refreshes the file's mtime so the order survives restarts. A write reserves its bytes
-  before it writes (evicting the least recently used files first), so concurrent writers never
+  before it writes (evicting the policy's victims first), so concurrent writers never
   take the directory past the budget; a write that meets a full file system (ENOSPC) evicts
   its size in old files and tries once more.
 - Another process's files are found on the file system even when this index lacks them;
@@ -24,13 +25,12 @@ import errno
 import logging
 import os
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from kvstore.backends.base import (
     Backend,
@@ -45,7 +45,16 @@ from kvstore.backends.base import (
 from kvstore.backends.disk_budget import FileBudget
 from kvstore.backends.files import FileReader, make_private_dirs, unlink_quietly, walk_files, write_fully
 from kvstore.backends.maintenance import LIST_PAGE, RemoveReport, StoredObject, pages
+from kvstore.backends.temporaries import (  # re-exported: the tools and tests name them here
+    STALE_TMP_SECONDS as STALE_TMP_SECONDS,
+)
+from kvstore.backends.temporaries import (
+    TMP_MARK,
+    temporary_name,
+    temporary_state,
+)
 from kvstore.errors import ConfigError
+from kvstore.eviction import DEFAULT_EVICTION, EvictionName
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 from kvstore.util.threads import in_thread, in_thread_or_discard
@@ -54,21 +63,8 @@ log = logging.getLogger("kvstore.disk")
 T = TypeVar("T")
 
 SUFFIX = ".kvc"
-TMP_MARK = ".tmp-"  # in every temporary name
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
-STALE_TMP_SECONDS = 600.0
 MTIME_REFRESH_SECONDS = 10.0
-
-
-def temporary_state(name: str, mtime: float, now: float) -> Literal["stale", "fresh"] | None:
-    """None for a file that is not a writer's temporary; "stale" for one older than ``STALE_TMP_SECONDS``
-    (left by a writer, or a gc, that died: no live writer owns it), else "fresh" (a write may be in progress).
-
-    The one rule a store's open and ``kvstore gc``/``verify`` sweep temporaries by.
-    """
-    if TMP_MARK not in name:
-        return None
-    return "stale" if now - mtime > STALE_TMP_SECONDS else "fresh"
 
 
 class DiskBackend(Backend):
@@ -92,6 +88,7 @@ class DiskBackend(Backend):
         fsync: bool = False,
         executor: Executor | None = None,
         namespace: str = DEFAULT_NAMESPACE,
+        eviction: EvictionName | str = DEFAULT_EVICTION,
     ):
         if not is_namespace_dir(namespace):
             raise ValueError(f"{namespace!r} is not a namespace directory name (see kvstore.keys.namespace_dir)")
@@ -101,7 +98,7 @@ class DiskBackend(Backend):
         self.capacity_bytes = int(capacity_bytes)
         self.fsync = fsync
         self._executor = executor
-        self._budget = FileBudget(self._root_text, self.capacity_bytes)  # this namespace's files, LRU
+        self._budget = FileBudget(self._root_text, self.capacity_bytes, eviction)  # this namespace's files
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -144,7 +141,7 @@ class DiskBackend(Backend):
             name = path.name
             temporary = temporary_state(name, stat.st_mtime, now)
             if temporary is not None:
-                if temporary == "stale":
+                if temporary != "fresh":  # stale, or its writer was killed
                     unlink_quietly(path)
                 continue
             if not (name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)])):
@@ -314,7 +311,7 @@ class DiskBackend(Backend):
 
     def _write_file(self, final: str, views: list[memoryview]) -> None:
         """Fill a private temporary file and rename it to ``final``; the temporary is removed on failure."""
-        temporary = f"{final}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        temporary = temporary_name(final)
         fd = self._create(temporary)
         try:
             try:
@@ -449,7 +446,7 @@ class DiskBackend(Backend):
         report = RemoveReport()
         for item in items:
             path = f"{self._root_text}/{self._relative(item.key, item.namespace)}"
-            aside = f"{path}{TMP_MARK}gc-{os.getpid()}-{secrets.token_hex(4)}"
+            aside = temporary_name(path, "gc-")
             try:
                 os.rename(path, aside)
             except FileNotFoundError:

@@ -555,6 +555,11 @@ async def _send_parts(connection: Any, parts: list[Buffer]) -> None:
     writer = connection._writer  # redis-py's asyncio StreamWriter; no public API writes without joining
     try:
         for part in parts:
+            # A send that failed (the server died) closes the transport, which then drops each later
+            # write with a warning of its own ("socket.send() raised exception.", one per part from
+            # the fifth on: dozens per SET of a many-layer chunk). Stop at the first: one error.
+            if writer.transport.is_closing():
+                raise ConnectionResetError("the connection was lost while sending")
             writer.write(part)
         await writer.drain()
     except OSError as exc:

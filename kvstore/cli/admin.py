@@ -93,10 +93,14 @@ def read_from(where: str, as_json: bool = False) -> None:
     (errors if as_json else console).print(f"read from {where}", highlight=False, soft_wrap=True)
 
 
-def codec_text(codecs: dict[str, int], tier: str, found: Codecs) -> str:
-    """A namespace's codecs for a table cell: ``int4+zstd`` alone, or each with its chunk count."""
+def codec_text(codecs: dict[str, int], tier: str, found: Codecs, asked: bool | None = None) -> str:
+    """A namespace's codecs for a table cell: ``int4+zstd`` alone, or each with its chunk count.
+
+    ``asked``: ls's --codecs/--no-codecs; unasked, a tier's headers are left unread only where
+    reading them restarts the ages gc goes by (Redis), and --codecs reads them.
+    """
     if found.get(tier) is None:
-        return "(not read: --codecs)" if tier == "redis" else "(not read)"
+        return "(not read)" if asked is False else "(not read: --codecs)"
     if len(codecs) == 1:
         return next(iter(codecs))
     return ", ".join(f"{codec} ({count:,})" for codec, count in codecs.items())
@@ -180,7 +184,7 @@ def ls(
             human_age(now - row.oldest),
             human_age(now - row.newest),
             basis[row.tier],
-            codec_text(row.codecs, row.tier, found),
+            codec_text(row.codecs, row.tier, found, codecs),
         )
     read_from(where)
     console.print(table)
@@ -343,11 +347,16 @@ def print_sweep(sweep: inventory.TemporarySweep | None) -> None:
     from kvstore.backends.disk import STALE_TMP_SECONDS
 
     minutes = f"{STALE_TMP_SECONDS / 60:.0f} min"
+    done = "removed" if sweep.removed else "dry run: would remove"
     if sweep.stale:
-        done = "removed" if sweep.removed else "dry run: would remove"
         console.print(
             f"{done} {sweep.stale:,} stale temporary files ({human_bytes(sweep.stale_bytes)}), "
             f"older than {minutes}: left by writers that were killed"
+        )
+    if sweep.orphaned:
+        console.print(
+            f"{done} {sweep.orphaned:,} temporary files ({human_bytes(sweep.orphaned_bytes)}) "
+            "of writers that no longer run: left by writers that were killed"
         )
     if sweep.fresh:
         console.print(f"left {sweep.fresh:,} temporary files younger than {minutes}: a writer may still own them")

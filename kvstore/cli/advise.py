@@ -6,6 +6,9 @@ instead, for a curve without sampling error on traces small enough to afford it.
 per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
 baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.sizing.advice`).
 
+The curves give the hit rates of LRU tiers (see :data:`kvstore.sizing.mrc.MODELLED_EVICTION`); the
+output says so, and names the tiers the config has evict by another policy.
+
 Exit codes as in :mod:`kvstore.cli.console`: 0 done; 2 bad usage, configuration or trace file.
 """
 
@@ -15,7 +18,7 @@ import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 import numpy as np
 import typer
@@ -24,10 +27,13 @@ from rich.table import Table
 from kvstore.cli.console import ConfigOption, console, fail, load_config, make_table, parse_size
 from kvstore.errors import TraceFormatError
 from kvstore.sizing.advice import DEFAULT_BANDWIDTH, Advice, CostModel, Policy, TierRates, advise, cost_model
-from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
+from kvstore.sizing.mrc import MODELLED_EVICTION, ReuseProfile, ReuseSampler
 from kvstore.sizing.traces import Trace, flatten, read_trace, write_trace
 from kvstore.sizing.workloads import all_unique, multi_turn, phase_change, rag, zipf_prefixes
 from kvstore.util.units import GB, human_bytes, short_bytes
+
+if TYPE_CHECKING:
+    from kvstore.config import StoreConfig
 
 DRAM_GBPS, DISK_READ_GBPS, DISK_WRITE_GBPS, REMOTE_GBPS = (
     DEFAULT_BANDWIDTH[name] / GB for name in ("dram_copy", "disk_read", "disk_write", "remote")
@@ -111,6 +117,21 @@ def check_chunk_mix(chunk: int, tokens: int, from_trace: str) -> None:
         f"has ({human_bytes(low)} to {human_bytes(high)}): give both --chunk-bytes and --chunk-tokens "
         f"(e.g. --chunk-bytes 32MiB --chunk-tokens 256 for Llama-3-8B's 256-token chunks)"
     )
+
+
+def eviction_note(settings: StoreConfig, disk_bytes: int) -> str:
+    """Which eviction the curves model (LRU), and which tiers the config has evict otherwise."""
+    configured = {"dram": settings.dram.eviction}
+    if disk_bytes:
+        configured["disk"] = settings.disk.eviction
+    differing = [f"{tier}.eviction = '{name}'" for tier, name in configured.items() if name != MODELLED_EVICTION]
+    note = f"hit rates assume {MODELLED_EVICTION.upper()} eviction (the curves come from LRU reuse times)"
+    if differing:
+        note += (
+            f"; the config sets {', '.join(differing)}, whose hit rates differ (see the eviction page: "
+            "python -m kvstore.devtools.bench_eviction measures them)"
+        )
+    return note
 
 
 def curve(profile: ReuseProfile, cost: CostModel, result: Advice, disk_bytes: int) -> list[dict[str, float]]:
@@ -270,7 +291,15 @@ def advise_command(
         except OSError as exc:
             raise fail(f"{plot}: {exc.strerror or exc}") from None
     if as_json:
-        document = {**result.as_dict(), "trace": name, "lookups": len(data), "cost": asdict(cost), "curve": points}
+        document = {
+            **result.as_dict(),
+            "trace": name,
+            "lookups": len(data),
+            "cost": asdict(cost),
+            "curve": points,
+            "curve_eviction": MODELLED_EVICTION,
+            "configured_eviction": {"dram": settings.dram.eviction, "disk": settings.disk.eviction},
+        }
         typer.echo(json.dumps(document, indent=1))
         return
     tiers = " -> ".join(
@@ -281,6 +310,7 @@ def advise_command(
         f"prefill {rate:,.0f} tokens/s; sampled at {profile.sample_rate:.2%}",
         highlight=False,
     )
+    console.print(f"{eviction_note(settings, disk_bytes)}", highlight=False)
     console.print(size_table(result, chunk))
     if result.disk_rows:
         console.print(disk_table(result, disk_bytes))

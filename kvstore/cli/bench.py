@@ -195,13 +195,13 @@ def _remote_names(remote: str, layouts: list[str] | None) -> list[str]:
     if not remote:
         return []
     from kvstore.devtools import bench as b
-    from kvstore.devtools import bench_remote as r
+    from kvstore.devtools import bench_remote_servers as servers
 
     try:
         for layout in layouts or []:
             if layout not in b.LAYOUTS:
                 raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(b.LAYOUTS)}")
-        return r.parse_remotes(remote)
+        return servers.parse_remotes(remote)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -218,6 +218,7 @@ def _bench_remote(
     """The remote tiers on dev servers started for the run; exits 1 when a server cannot start."""
     from kvstore.devtools import bench as b
     from kvstore.devtools import bench_remote as r
+    from kvstore.devtools import bench_remote_servers as servers
     from kvstore.errors import ServerError
 
     path = (sample or b.default_sample_path()) if codecs else None
@@ -225,7 +226,7 @@ def _bench_remote(
         console.print("[yellow]remote codec rows skipped: no real KV sample found; pass --sample PATH[/]")
     kv = None if path is None else b.load_kv_sample(path)
     try:
-        with r.serve(names, concurrency) as remotes:
+        with servers.serve(names, concurrency) as remotes:
             results = asyncio.run(
                 r.run_remote(remotes, mib, repeats, layouts or list(b.LAYOUTS), kv, concurrency=concurrency)
             )

@@ -49,7 +49,11 @@ ConfigOption = Annotated[
 ]
 TierOption = Annotated[
     list[str] | None,
-    typer.Option("--tier", "-t", help="disk, redis or s3 (repeatable or comma-separated; default: every enabled tier)"),
+    typer.Option(
+        "--tier",
+        "-t",
+        help="disk, redis, s3 or an installed backend's tier (repeatable or comma-separated; default: every enabled)",
+    ),
 ]
 NamespaceOption = Annotated[
     list[str] | None,

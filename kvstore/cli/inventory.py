@@ -12,28 +12,32 @@ import asyncio
 import fnmatch
 import logging
 import math
-import os
-import re
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Any
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
 from kvstore.backends.disk import DiskBackend, temporary_state
 from kvstore.backends.files import unlink_quietly, walk_files
+from kvstore.backends.registry import (
+    BackendSpec,
+    SectionSettings,
+    available_backends,
+    backend_sections,
+    default_endpoint,
+)
 from kvstore.cli.console import TierUnreachable
-from kvstore.config import RedisConfig, S3Config, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.errors import BucketMissing, ChunkFormatError, ConfigError
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import HEADER_ALIGN, check_stored_chunk, header_codec, header_length
 from kvstore.util.threads import in_thread
 from kvstore.util.units import clip
 
-TIERS = ("disk", "redis", "s3")
 NOT_A_CHUNK = "(not a chunk)"  # ls's codec for an object whose header does not check out
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (
     (3600, "< 1h"),
@@ -42,46 +46,58 @@ AGE_BUCKETS: tuple[tuple[float, str], ...] = (
     (30 * 86400, "7d-30d"),
     (math.inf, ">= 30d"),
 )
-# What each open tool backend's errors must never show (filled by tool_backends, read by reaching).
+# What each open tool backend's errors must never show, and how to say where it is (filled by
+# tool_backends from the backend's spec, read by reaching and endpoint).
 _SECRETS: weakref.WeakKeyDictionary[Backend, list[str]] = weakref.WeakKeyDictionary()
+_ENDPOINTS: weakref.WeakKeyDictionary[Backend, Callable[[Backend], str]] = weakref.WeakKeyDictionary()
 
 
 # -- which tiers and namespaces ----------------------------------------------------------------
 
 
+def configured_tiers(config: StoreConfig) -> dict[str, tuple[BackendSpec[Any], SectionSettings]]:
+    """Every backend ``config`` has a section of (built in, or registered), with its spec, fastest first."""
+    return {spec.name: (spec, section) for spec, section in backend_sections(config)}
+
+
 def enabled_tiers(config: StoreConfig) -> list[str]:
-    """The secondary tiers ``config`` enables, in :data:`TIERS` order."""
-    return [name for name in TIERS if getattr(config, name).enabled]
+    """The secondary tiers ``config`` enables, fastest first."""
+    return [name for name, (_, section) in configured_tiers(config).items() if section.enabled]
 
 
 @asynccontextmanager
 async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None) -> AsyncIterator[dict[str, Backend]]:
     """The backends of ``tiers`` (default: every tier the config enables), opened for the tools.
 
-    The disk backend is not opened: opening scans for its LRU index and evicts to its budget,
-    which is an engine's business, not a listing's. A bucket is never created here.
+    Each as its spec (:class:`~kvstore.backends.registry.BackendSpec`) says: checked first, its section
+    as the tools use it, opened or not (the disk backend is not: opening scans for its LRU index and
+    evicts to its budget, which is an engine's business, not a listing's). A bucket is never created here.
     """
+    configured = configured_tiers(config)
     names = list(tiers) if tiers else enabled_tiers(config)
     for name in names:
-        if name not in TIERS:
-            raise ConfigError(f"unknown tier {name!r}; choose from {', '.join(TIERS)}")
-        if not getattr(config, name).enabled:
+        if name not in configured and name not in available_backends():
+            raise ConfigError(f"unknown tier {name!r}; choose from {', '.join(configured)}")
+        if name not in configured or not configured[name][1].enabled:
             raise ConfigError(
                 f"the {name} tier is not enabled in this configuration; set {name}.enabled = true "
                 f"(or KVSTORE_{name.upper()}__ENABLED=true) and its settings"
             )
-    if "disk" in names:
-        check_disk_root(config.disk.path)
+    for name in names:
+        spec, section = configured[name]
+        if spec.tools_check is not None:
+            spec.tools_check(section)
     backends: dict[str, Backend] = {}
     async with AsyncExitStack() as stack:
         stack.enter_context(_engine_warnings_off(names))
         for name in names:
-            section = getattr(config, name)
-            if name == "s3":
-                section = section.model_copy(update={"create_bucket": False})
+            spec, section = configured[name]
+            if spec.tools_section is not None:
+                section = spec.tools_section(section)
             backends[name] = backend = make_backend(section, config.timeouts)
-            _SECRETS[backend] = _secrets(section)
-            if name != "disk":
+            _SECRETS[backend] = _secrets(spec, section)
+            _ENDPOINTS[backend] = spec.endpoint
+            if spec.tools_open:
                 with reaching(backend):
                     try:
                         await backend.open()
@@ -89,39 +105,11 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
                         raise TierUnreachable(
                             name,
                             endpoint(backend),
-                            "the bucket does not exist; kvstore's commands never create one (a store opened "
-                            "with s3.create_bucket = true does), so create it or check s3.bucket",
+                            f"the bucket does not exist; kvstore's commands never create one (a store opened "
+                            f"with {name}.create_bucket = true does), so create it or check {name}.bucket",
                         ) from None
                 stack.push_async_callback(backend.close)
         yield backends
-
-
-def check_disk_root(root: Path) -> None:
-    """Refuse a disk path the tools would read as an empty cache: missing, a file, unreadable, or a namespace.
-
-    Each is a :class:`ConfigError` (exit 2) naming the path and the fix; an empty directory is a real
-    empty cache and passes.
-    """
-    fix = "set disk.path (or KVSTORE_DISK__PATH) to the directory engines write their chunks to"
-    if not root.exists():
-        raise ConfigError(f"disk tier directory {root} does not exist; {fix}")
-    if not root.is_dir():
-        raise ConfigError(f"disk tier path {root} is not a directory; {fix}")
-    denied = f"disk tier directory {root} cannot be read (permission denied); run as its owner"
-    if not os.access(root, os.R_OK | os.X_OK):
-        raise ConfigError(denied)
-    try:
-        inside = [entry.name for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)]
-    except PermissionError:
-        raise ConfigError(denied) from None
-    if inside and all(_HEX_PAIR.fullmatch(name) for name in inside):
-        raise ConfigError(
-            f"{root} is one namespace of a disk tier (its subdirectories are 2-letter hash prefixes), "
-            f"not the tier's directory; give its parent {root.parent}, and --namespace to select it"
-        )
-
-
-_HEX_PAIR = re.compile(r"[0-9a-f]{2}")
 
 
 def sources(backends: dict[str, Backend]) -> str:
@@ -167,21 +155,13 @@ def reaching(backend: Backend) -> Iterator[None]:
 
 
 def endpoint(backend: Backend) -> str:
-    """Where the tools reach ``backend``, without secrets: a directory, a (masked) Redis URL, bucket and endpoint."""
-    url, bucket, root = (getattr(backend, name, None) for name in ("url", "bucket", "root"))
-    if bucket is not None:
-        where = getattr(backend, "endpoint_url", None)
-        where = where or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
-        return f"bucket {bucket!r} at {where}"
-    return str(url if url is not None else root if root is not None else backend.name)
+    """Where the tools reach ``backend``, without secrets, as its spec says: a directory, a (masked) URL, a bucket."""
+    return _ENDPOINTS.get(backend, default_endpoint)(backend)
 
 
-def _secrets(section: object) -> list[str]:
-    """What must never be printed for this tier: the Redis URL's password, the AWS secret key and session token."""
-    url = getattr(section, "url", None) or (os.environ.get("REDIS_URL") if isinstance(section, RedisConfig) else None)
-    found = [urlsplit(url).password or ""] if url else []
-    if isinstance(section, S3Config):
-        found += [os.environ.get(name, "") for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+def _secrets(spec: BackendSpec[Any], section: object) -> list[str]:
+    """What must never be printed for this tier, as its spec says (the Redis URL's password, the AWS secret key)."""
+    found = list(spec.secrets(section)) if spec.secrets is not None else []
     return [secret for secret in found if len(secret) >= 3]  # a one-letter password would blot out the text
 
 
@@ -375,12 +355,15 @@ async def run_gc(
 
 @dataclass
 class TemporarySweep:
-    """The disk tier's temporary files: stale ones (a killed writer's) removed or to remove, fresh ones left."""
+    """The disk tier's temporary files: stale and orphaned ones (a killed writer's) removed or to remove,
+    fresh ones left."""
 
-    stale: int = 0
+    stale: int = 0  # older than STALE_TMP_SECONDS
     stale_bytes: int = 0
+    orphaned: int = 0  # younger, but the writer named in them no longer runs
+    orphaned_bytes: int = 0
     removed: int = 0
-    fresh: int = 0  # younger than STALE_TMP_SECONDS: a live writer may own them
+    fresh: int = 0  # younger than STALE_TMP_SECONDS, and their writer runs (or cannot be looked up)
 
 
 async def sweep_temporaries(
@@ -390,7 +373,8 @@ async def sweep_temporaries(
 
     A writer killed mid-write leaves ``<key>.kvc.tmp-...`` (and a killed gc its set-aside file),
     which no listing shows. One older than ``STALE_TMP_SECONDS``, the bound a store's open sweeps
-    with, has no live writer: it goes. A younger one may be a write in progress: it stays, counted.
+    with, has no live writer: it goes; so does a younger one whose writer (named in it: pid, start
+    time, machine) no longer runs. Any other may be a write in progress: it stays, counted.
     """
     backend = backends.get("disk")
     if not isinstance(backend, DiskBackend):
@@ -408,8 +392,12 @@ def _sweep_temporaries(root: Path, accept: Callable[[str], bool] | None, remove:
         if temporary == "fresh":
             sweep.fresh += 1
             continue
-        sweep.stale += 1
-        sweep.stale_bytes += stat.st_size
+        if temporary == "orphaned":
+            sweep.orphaned += 1
+            sweep.orphaned_bytes += stat.st_size
+        else:
+            sweep.stale += 1
+            sweep.stale_bytes += stat.st_size
         if remove:
             unlink_quietly(path)
             sweep.removed += 1

@@ -70,7 +70,11 @@ class CodecPipeline:
 
     def decode_batch_into(self, datas: Sequence[Buffer], spec: SegmentSpec, outs: Sequence[memoryview]) -> None:
         """:meth:`decode_into` of every segment; the first stage decodes them all in one call. Any
-        defect raises CodecError, without saying which segment (decode them one by one for that)."""
+        defect raises CodecError, without saying which segment (decode them one by one for that).
+
+        Whatever a stage raises (an Exception, not a cancellation) is the stored bytes' fault, never
+        the tier's: the container makes it a corrupt object (counted, removed), not a tier failure.
+        """
         try:
             specs = self._specs(spec)
             views = [as_bytes_view(data) for data in datas]
@@ -79,8 +83,8 @@ class CodecPipeline:
             self.stages[0].decode_batch_into(views, spec, outs)
         except CodecError:
             raise
-        except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError) as exc:
-            raise CodecError(f"{self.id}: {exc}") from exc
+        except Exception as exc:  # a plugin stage may raise anything (struct.error, IndexError): the bytes' defect
+            raise CodecError(f"{self.id}: {type(exc).__name__}: {exc}") from exc
 
     def __repr__(self) -> str:
         return f"CodecPipeline({self.id!r})"

@@ -39,7 +39,8 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec, roundtrip_error
 from kvstore.config import StoreConfig
 from kvstore.devtools.progress import Progress
-from kvstore.engine.store import WRITE_BATCH, KVStore
+from kvstore.engine.cascade import WRITE_BATCH
+from kvstore.engine.store import KVStore
 from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import Buffer, tensor_bytes

@@ -6,7 +6,7 @@
 Prompts: the documentation of Python's standard library (each module's docstring, then its public
 members' and their methods'), which ships with every Python 3.11; modules in a fixed sorted list,
 each text truncated to a token count drawn from its module name (sha256) in 1024..2048. Never
-random tokens.
+random tokens (:mod:`kvstore.devtools.stdlib_prompts`).
 
 Per prompt of N tokens, the reference is a plain recompute in float32: prefill, then 64 greedy
 tokens. Per codec, the prompt's KV goes through the codec as the store keeps it: the full
@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
-import inspect
 import math
 import sys
 import time
@@ -49,6 +47,7 @@ import torch
 from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec
 from kvstore.connectors.hf import layout_for_model
 from kvstore.devtools.bench import one_torch_thread
+from kvstore.devtools.stdlib_prompts import Prompt, stdlib_prompts
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import as_bytes_view, tensor_bytes
 from kvstore.util.units import MB, per_second
@@ -60,75 +59,6 @@ DEFAULT_CODECS = tuple(
 EXACT = "float32 (exact)"  # the row of the exact KV: no cast, no codec
 GENERATED = 64  # greedy tokens per prompt
 SCORED = 256  # the prompt's last tokens whose perplexity is measured
-# Modules whose documentation is long enough (sorted; C-only and GUI modules left out: their docs differ by build).
-PROMPT_MODULES = tuple(
-    "argparse collections configparser contextlib csv dataclasses difflib doctest email.message enum functools "
-    "http.client inspect ipaddress json logging optparse os pathlib pdb random re shutil smtplib statistics "
-    "subprocess tarfile tempfile textwrap threading typing unittest.mock urllib.parse uuid zipfile".split()
-)
-
-
-# -- prompts ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt of real text: where it comes from, and its token ids."""
-
-    source: str
-    ids: list[int]
-
-
-def module_documentation(name: str) -> str:
-    """The docstring of a standard-library module, then each public member's (and its public methods'), sorted."""
-    module = importlib.import_module(name)
-    parts = [inspect.getdoc(module) or ""]
-    for member_name in sorted(dir(module)):
-        member = getattr(module, member_name)
-        if member_name.startswith("_") or getattr(member, "__module__", None) != module.__name__:
-            continue  # private, or imported from elsewhere
-        members = [(member_name, member)]
-        if inspect.isclass(member):
-            members += [
-                (f"{member_name}.{attr}", value)
-                for attr, value in sorted(vars(member).items())
-                if not attr.startswith("_") and callable(value)
-            ]
-        parts += [f"{title}\n{doc}" for title, value in members if (doc := inspect.getdoc(value))]
-    return "\n\n".join(part for part in parts if part)
-
-
-def prompt_length(source: str, min_tokens: int, max_tokens: int) -> int:
-    """A token count in ``min_tokens..max_tokens`` drawn from the name alone: the same on every machine."""
-    draw = int.from_bytes(hashlib.sha256(source.encode()).digest()[:8], "big")
-    return min_tokens + draw % (max_tokens - min_tokens + 1)
-
-
-def stdlib_prompts(tokenizer: Any, count: int, min_tokens: int = 1024, max_tokens: int = 2048) -> list[Prompt]:
-    """The first ``count`` modules of PROMPT_MODULES whose documentation reaches its drawn length, truncated to it.
-
-    ValueError if fewer than ``count`` do.
-    """
-    if not 0 < min_tokens <= max_tokens:
-        raise ValueError(f"need 0 < min_tokens <= max_tokens, got {min_tokens}..{max_tokens}")
-    prompts: list[Prompt] = []
-    for name in PROMPT_MODULES:
-        if len(prompts) == count:
-            break
-        try:
-            text = module_documentation(name)
-        except ImportError:
-            continue  # a Python built without it (the selection stays deterministic for a given Python)
-        ids = tokenizer(text).input_ids
-        length = prompt_length(name, min_tokens, max_tokens)
-        if len(ids) >= length:
-            prompts.append(Prompt(name, list(ids[:length])))
-    if len(prompts) < count:
-        raise ValueError(
-            f"only {len(prompts)} standard-library modules have {min_tokens}..{max_tokens} tokens of documentation; "
-            f"asked for {count}"
-        )
-    return prompts
 
 
 # -- the reference: a plain recompute in float32 ------------------------------------------------

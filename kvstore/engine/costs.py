@@ -34,7 +34,7 @@ def measured_costs(layout: KVLayout, tiers: Sequence[ChunkTier], prefill_tokens_
         writes = stats.writes + stats.skipped
         if writes >= MEASURED_AFTER:
             write = chunk * writes / latency.write.sum if latency.write.sum > 0 else math.inf
-        capacity: float | None = tier.backend.capacity_bytes  # None: unbounded (Redis, S3)
+        capacity: float | None = tier.capacity_bytes  # None: unbounded (Redis, S3)
         if capacity is not None and stats.writes:  # a budget holds chunks as stored (compressed, maybe)
             capacity = capacity * chunk / max(1.0, stats.bytes_written / stats.writes)
         rates.append(TierRates(tier.name, capacity, read, write))

@@ -1,10 +1,12 @@
-"""The DRAM primary tier: a pre-allocated slab of chunk-sized slots with LRU and ref-counts.
+"""The DRAM primary tier: a pre-allocated slab of chunk-sized slots with an eviction policy and ref-counts.
 
 Memory is allocated and touched once, when a segment is added: allocating per chunk would pay
 the first-touch page faults (0.2-2.5 GB/s here) on every put. With CUDA present the slab is
 pinned so copies to and from the GPU run at full PCIe speed. A slot referenced by an in-flight
-transfer is never evicted; when every slot is referenced, ``reserve`` returns None at once
-(the caller counts a rejected put) instead of waiting for memory.
+transfer is never evicted (the policy steps over it); when every slot is referenced, ``reserve``
+returns None at once (the caller counts a rejected put) instead of waiting for memory. Which
+unreferenced chunk goes is the pool's eviction policy's choice (``dram.eviction``, see
+:mod:`kvstore.eviction`): least recently used by default.
 
 The slab is held in segments so that ``resize`` can change the budget while the store runs and
 a shrink gives the memory back to the system, not only to the pool: growing allocates whole
@@ -23,12 +25,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from kvstore.eviction import DEFAULT_EVICTION, EvictionName, EvictionPolicy, make_policy
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import tensor_bytes
@@ -59,7 +61,8 @@ class SlabPool:
     """Slots of ``layout.chunk_nbytes`` each, in segments; a key maps to at most one published slot.
 
     ``max_bytes`` is the most ``resize`` may grow to, cut into SEGMENTS (64) segments; without it the pool is
-    one segment of ``capacity_bytes`` and cannot resize.
+    one segment of ``capacity_bytes`` and cannot resize. ``eviction`` names the policy that picks which
+    unreferenced chunk a full pool drops (:mod:`kvstore.eviction`).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class SlabPool:
         capacity_bytes: int,
         pin_memory: Literal["auto", "always", "never"] = "auto",
         max_bytes: int | None = None,
+        eviction: EvictionName | str = DEFAULT_EVICTION,
     ):
         self.layout = layout
         self.slot_bytes = layout.chunk_nbytes
@@ -90,7 +94,8 @@ class SlabPool:
         self._retiring: dict[int, int] = {}  # retiring segment -> how many of its slots are still referenced
         self._tensors: list[torch.Tensor | None] = [None] * self.max_slots  # views, built on first use
         self._bytes: list[memoryview | None] = [None] * self.max_slots
-        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # published slots, least recent first
+        self._index: dict[ChunkKey, int] = {}  # published slots
+        self._policy: EvictionPolicy[ChunkKey] = make_policy(eviction, max(1, self.max_slots))  # their eviction order
         self._key_of: list[ChunkKey | None] = [None] * self.max_slots
         self._refs = [0] * self.max_slots
         self._free: list[int] = []
@@ -99,11 +104,12 @@ class SlabPool:
         self.resize_evictions = 0  # chunks dropped because a shrink retired their segment
         self._grow(self._segments_for(capacity_bytes))
         log.info(
-            "DRAM pool: %d slots x %.2f MiB = %.1f MiB (at most %.1f MiB), %s",
+            "DRAM pool: %d slots x %.2f MiB = %.1f MiB (at most %.1f MiB), %s eviction, %s",
             self.num_slots,
             self.slot_bytes / 2**20,
             self.capacity_bytes / 2**20,
             self.max_bytes / 2**20,
+            self._policy.name,
             "pinned" if self.pinned else "pageable (no CUDA: pinning skipped)",
         )
 
@@ -143,8 +149,17 @@ class SlabPool:
 
     # -- slots -------------------------------------------------------------------------------------
 
+    @property
+    def eviction(self) -> str:
+        """The name of the pool's eviction policy."""
+        return self._policy.name
+
+    def _held(self, key: ChunkKey) -> bool:
+        """Whether a published chunk's slot is referenced (the lock held): the policy steps over it."""
+        return self._refs[self._index[key]] > 0
+
     def reserve(self) -> int | None:
-        """A private slot with one reference, evicting the least recently used unreferenced chunk.
+        """A private slot with one reference, evicting an unreferenced chunk the policy picks if none is free.
 
         None when every slot is referenced: fail fast, never wait.
         """
@@ -152,13 +167,10 @@ class SlabPool:
             if self._free:
                 slot = self._free.pop()
             else:
-                evictable = next((s for s in self._index.values() if self._refs[s] == 0), None)
-                if evictable is None:
+                victim = self._policy.evict(self._held)
+                if victim is None:
                     return None
-                slot = evictable
-                victim = self._key_of[slot]
-                assert victim is not None
-                del self._index[victim]
+                slot = self._index.pop(victim)
                 self._key_of[slot] = None
                 self.evictions += 1
             self._refs[slot] = 1
@@ -178,15 +190,16 @@ class SlabPool:
                 return True
             self._index[key] = slot
             self._key_of[slot] = key
+            self._policy.insert(key)
             return True
 
     def acquire(self, key: ChunkKey) -> int | None:
-        """The key's slot with a reference taken (and marked recently used), or None."""
+        """The key's slot with a reference taken (a hit, told to the eviction policy), or None."""
         with self._lock:
             slot = self._index.get(key)
             if slot is not None:
                 self._refs[slot] += 1
-                self._index.move_to_end(key)
+                self._policy.touch(key)
             return slot
 
     def retain(self, slot: int) -> None:
@@ -241,6 +254,7 @@ class SlabPool:
             slot = self._index.pop(key, None)
             if slot is None:
                 return False
+            self._policy.remove(key)
             self._key_of[slot] = None
             if self._refs[slot] == 0:
                 self._free.append(slot)
@@ -293,6 +307,7 @@ class SlabPool:
                     self._free[:0] = [s for span in spans for s in reversed(span) if self._refs[s] == 0]
                     self._usable = want
                     self.num_slots = self._span(want - 1).stop
+                    self._policy.resize(self.num_slots)
                     return
             for position in missing:
                 segment = torch.empty(
@@ -308,6 +323,7 @@ class SlabPool:
                 span = self._span(position)
                 for slot, key in [(s, self._key_of[s]) for s in span if self._key_of[s] is not None]:
                     del self._index[key]
+                    self._policy.remove(key)
                     self._key_of[slot] = None
                     self.resize_evictions += 1
                 self._retiring[position] = len(span) - self._refs[span.start : span.stop].count(0)
@@ -315,6 +331,7 @@ class SlabPool:
                     freed.append(self._free_segment(position))
             self._usable = want
             self.num_slots = self._span(want - 1).stop
+            self._policy.resize(self.num_slots)
             self._free = [s for s in self._free if s < self.num_slots]
         if freed:
             self._give_back(freed)
@@ -341,7 +358,7 @@ class SlabPool:
             # trimmed: measured, 256 MiB shrunk to 16 MiB gave back 5 MiB without this, 249 MiB with it
             _MALLOC_TRIM(0)
 
-    def stats(self) -> dict[str, int | bool]:
+    def stats(self) -> dict[str, int | bool | str]:
         with self._lock:
             return {
                 "slots": self.num_slots,
@@ -349,6 +366,7 @@ class SlabPool:
                 "chunks": len(self._index),
                 "referenced": self.max_slots - self._refs.count(0),
                 "evictions": self.evictions,
+                "eviction": self._policy.name,
                 "pinned": self.pinned,
                 "capacity_bytes": self.capacity_bytes,
                 "max_bytes": self.max_bytes,

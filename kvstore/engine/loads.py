@@ -8,7 +8,7 @@ may take at most half of the call's time: a frozen Redis above S3 then leaves S3
 to serve the chunk, instead of spending the whole call on the frozen tier.
 
 Loading needs DRAM slots to read into (the read's memory must stay valid until the read really
-ends, even past a timeout, see :mod:`kvstore.engine.operations`). A call does not need a slot
+ends, even past a timeout, see :mod:`kvstore.storage.health`). A call does not need a slot
 per chunk: it stages through the slots it can reserve, hands each chunk found to its caller
 (who copies it out), and goes again with the rest, while its deadline lasts. A pool of 4 slots
 loads a 6-chunk prefix in two rounds.
@@ -34,18 +34,17 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from kvstore.codecs import CodecPipeline
 from kvstore.engine.dram import SlabPool
-from kvstore.engine.operations import TierOperations
 from kvstore.errors import TierTimeout
 from kvstore.keys import ChunkKey
-from kvstore.storage.stats import Histogram
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.threads import WriteFence, close_fences
 
 log = logging.getLogger("kvstore")
 # (index of the key in the call, its slot: valid during the call only; None: read into the caller's buffer)
 Deliver = Callable[[int, int | None], None]
-Enqueue = Callable[[Sequence[ChunkTier], ChunkKey, int], None]
+Enqueue = Callable[[Sequence[ChunkTier], ChunkKey, int, CodecPipeline | None], None]
 
 
 class Deadline:
@@ -92,10 +91,8 @@ class TierLoader:
     write queues).
     """
 
-    def __init__(
-        self, pool: SlabPool, tiers: Sequence[ChunkTier], operations: TierOperations, enqueue: Enqueue
-    ) -> None:
-        self.pool, self.tiers, self._operations, self._enqueue = pool, tiers, operations, enqueue
+    def __init__(self, pool: SlabPool, tiers: Sequence[ChunkTier], enqueue: Enqueue) -> None:
+        self.pool, self.tiers, self._enqueue = pool, tiers, enqueue
         self._loading: dict[ChunkKey, asyncio.Future[None]] = {}
         self._admissions: set[asyncio.Task[None]] = set()  # background reads into DRAM after direct loads
         # at most this many admissions hold a slot (reading) at once; the others wait without one
@@ -126,9 +123,7 @@ class TierLoader:
                 break
             asked = [keys[i] for i in gaps[found:]]
             try:
-                count = await self._operations.bounded(
-                    tier.prefix_count(asked), allowance, tier, tier.latency.lookup, blame=deadline.fair(allowance)
-                )
+                count = await tier.lookup(asked, allowance, blame=deadline.fair(allowance))
             except TierTimeout:
                 continue
             holders.update(dict.fromkeys(gaps[found : found + count], tier))
@@ -205,11 +200,11 @@ class TierLoader:
                     continue  # no slot now; a later round may find one freed
                 progressed = True
                 outcomes = await self._read(tier, keys, reserved, allowance, deadline.fair(allowance))
-                for n, (i, ok) in enumerate(outcomes):
+                for n, (i, ok, lossy) in enumerate(outcomes):
                     try:
-                        taken = ok and self._take(position, keys[i], reserved[i], deliver, i)
+                        taken = ok and self._take(position, keys[i], reserved[i], deliver, i, lossy)
                     except BaseException:  # a delivery that raised (a copy to the caller's buffer): free the rest
-                        for later, _ in outcomes[n + 1 :]:
+                        for later, _, _ in outcomes[n + 1 :]:
                             self.pool.release(reserved[later])
                         raise
                     if taken:
@@ -238,30 +233,21 @@ class TierLoader:
 
         Whatever happens (a timeout, a cancellation), the buffers are closed to the reading
         threads before this returns: a thread still reading after the deadline writes no more.
-        A cancelled caller first cancels the read (``bounded`` only does so on a timeout), so
-        nothing it read is checked or counted after the caller has its buffers back.
+        A cancelled caller cancels the read too (``cancel_with_caller``), so nothing it read is
+        checked or counted after the caller has its buffers back.
         """
         fences = [WriteFence() for _ in group]
-        reading: list[asyncio.Task[list[bool]]] = []  # the read's task once it runs (bounded makes it)
-        stopped = False
-
-        async def read() -> list[bool]:
-            reading.append(asyncio.current_task())  # type: ignore[arg-type]
-            if stopped:  # cancelled before the task first ran
-                raise asyncio.CancelledError
-            return await tier.read_many_into([keys[i] for i in group], [outs[i] for i in group], fences)
-
         try:
-            found = await self._operations.bounded(read(), timeout, tier, tier.latency.read, blame=blame)
-            tier.latency.read_chunks += sum(found)  # the read's throughput, for the load planner
-            return found
+            return await tier.read(
+                [keys[i] for i in group],
+                [outs[i] for i in group],
+                timeout,
+                fences=fences,
+                blame=blame,
+                cancel_with_caller=True,
+            )
         except TierTimeout:
             return [False] * len(group)
-        except asyncio.CancelledError:
-            stopped = True
-            for task in reading:
-                task.cancel()
-            raise
         finally:
             await close_fences(fences)  # uncontended once the read has ended: no wait
 
@@ -304,12 +290,13 @@ class TierLoader:
             except BaseException:  # (_read released the slot)
                 self.admissions_dropped += 1
                 raise
-        if not outcomes[0][1]:
+        _, read, lossy = outcomes[0]
+        if not read:
             self.admissions_dropped += 1
             self.pool.release(slot)
             return
         try:
-            if self.promote(position, key, slot):
+            if self.promote(position, key, slot, lossy):
                 self.admitted += 1
         finally:
             self.pool.release(slot)
@@ -347,46 +334,52 @@ class TierLoader:
         timeout: float,
         blame: bool,
         counted: bool = True,
-    ) -> list[tuple[int, bool]]:
-        """One batch read of ``tier`` into the reserved slots; per key, whether it was read (a timeout: none).
+    ) -> list[tuple[int, bool, CodecPipeline | None]]:
+        """One batch read of ``tier`` into the reserved slots; per key, whether it was read (a timeout: none)
+        and the codec it was stored in if that is lossy (its promotion writes it on in that codec).
 
         ``blame``: a timeout counts against the tier's circuit breaker (it had a fair share of the call's time).
         ``counted=False``: a re-read of chunks already counted (an admission): not in the tier's
         hits, bytes or read latency (see :meth:`ChunkTier.account`).
         """
         order = list(reserved)
-        latency = tier.latency.read if counted else Histogram()
+        lossy: list[CodecPipeline | None] = [None] * len(order)
         try:
-            read = tier.read_many_into(
-                [keys[i] for i in order], [self.pool.buffer(reserved[i]) for i in order], counted=counted
+            found = await tier.read(
+                [keys[i] for i in order],
+                [self.pool.buffer(reserved[i]) for i in order],
+                timeout,
+                counted=counted,
+                on_end=releaser(self.pool, [reserved[i] for i in order]),
+                blame=blame,
+                lossy=lossy,
             )
-            end_of_read = releaser(self.pool, [reserved[i] for i in order])
-            found = await self._operations.bounded(read, timeout, tier, latency, end_of_read, blame=blame)
-            if counted:
-                tier.latency.read_chunks += sum(found)  # the read's throughput, for the load planner
         except TierTimeout:
             found = [False] * len(order)
         except BaseException:
             for slot in reserved.values():
                 self.pool.release(slot)
             raise
-        return list(zip(order, found, strict=True))
+        return list(zip(order, found, lossy, strict=True))
 
-    def promote(self, position: int, key: ChunkKey, slot: int) -> bool:
+    def promote(self, position: int, key: ChunkKey, slot: int, lossy: CodecPipeline | None = None) -> bool:
         """Publish a chunk read whole and verified from tier ``position`` into ``slot``, and queue it
         for the faster tiers; False if DRAM already held the key (nothing queued). Non-blocking; the
-        caller keeps (and later releases) its reference to the slot."""
+        caller keeps (and later releases) its reference to the slot. ``lossy``: the lossy codec the
+        chunk was stored in, which the faster tiers write it in too (its values are that codec's)."""
         if not self.pool.publish(slot, key):
             return False
-        self._enqueue(self.tiers[:position], key, slot)
+        self._enqueue(self.tiers[:position], key, slot, lossy)
         return True
 
-    def _take(self, position: int, key: ChunkKey, slot: int, deliver: Deliver, i: int) -> bool:
+    def _take(
+        self, position: int, key: ChunkKey, slot: int, deliver: Deliver, i: int, lossy: CodecPipeline | None
+    ) -> bool:
         """A chunk read into ``slot``: published (and queued for the faster tiers), delivered; the slot released.
 
         False only if the read's slot was not published and no copy of the key is in DRAM either.
         """
-        if self.promote(position, key, slot):
+        if self.promote(position, key, slot, lossy):
             try:
                 deliver(i, slot)
             finally:

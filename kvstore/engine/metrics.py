@@ -80,6 +80,10 @@ COUNTERS = {
         "valid objects this store cannot open (another layout, encryption key or codec; left in place)",
     ),
     ("tier", "skipped"): ("kvstore_tier_skipped", "writes skipped: the tier already held the chunk"),
+    ("tier", "lossy_reads"): (
+        "kvstore_tier_lossy_reads",
+        "chunks read that were stored with a lossy codec (int8, int4, fp8: values not exact)",
+    ),
     ("breaker", "opens"): ("kvstore_tier_breaker_opens", "times the tier's circuit breaker opened"),
     ("breaker", "skipped_reads"): ("kvstore_tier_breaker_skipped_reads", "reads and lookups skipped: breaker open"),
     ("breaker", "skipped_writes"): ("kvstore_tier_breaker_skipped_writes", "chunks not written: breaker open"),

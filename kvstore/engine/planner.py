@@ -11,16 +11,34 @@ bucket across a slow link can cost more to fetch than the engine takes to prefil
   seeded from conservative defaults until measured (:data:`SEED_LATENCY`,
   :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
 - the engine's **prefill rate** in tokens per second: pinned by ``planner.prefill_tokens_per_s``,
-  else an EWMA of what the connector measured of its own steps (:meth:`observe_prefill`). Until
-  there is one, recompute is taken to cost without bound: an engine that has not measured yet is
-  never refused a hit.
+  else the lower median of the last :data:`PREFILL_WINDOW` steps the connector measured
+  (:meth:`observe_prefill`), once there are :data:`MIN_PREFILL_STEPS`. Until then, recompute is
+  taken to cost without bound: an engine that has not measured yet is never refused a hit. A
+  median, not a mean: one step timed absurdly fast (a clock glitch, a step that waited for loads
+  as long as it ran) cannot raise the rate above what the other steps measured, so it never
+  refuses a hit; a measurement that is not a finite positive number (NaN, inf, 0 tokens or
+  seconds) is ignored, counted (``describe()["prefill_rejected"]``) and logged once.
+
+**Re-measuring a refused tier.** A tier's throughput is learned from its reads, and a tier the
+plans refuse is not read: a link measured slow during a bad spell would be refused for good. So a
+read estimate older than ``planner.probe_interval`` seconds (default 30; the planner's clock,
+injectable) is *stale*: a plan that refuses a chunk of a stale tier, and would load it if that tier
+cost only its request latency (as an unmeasured tier does; its lookups keep the latency fresh, so a
+tier that is slow to answer is never probed), loads one chunk of it more (with the chunks before
+it): a *probe* (``LoadPlan.probe``). The probe's read replaces the stale estimate outright, as a
+first read replaces a seed: a link that became fast is loaded again from the next plan on, one
+still slow is refused for another interval. A probe costs at most one chunk's slow read per tier
+and interval (plus those of plans made while the probe's read is in flight), whatever the traffic;
+plans that load a tier keep its estimate fresh, so a tier in use is never probed. DRAM's seed
+counts as measured when the planner is made: a DRAM path seeded too slow is probed too.
 
 The plan for the held prefix (chunk i held by ``tiers[i]``; DRAM first) is the number ``k`` of
 leading chunks to load that saves the most time: ``k * chunk_tokens / prefill_rate`` (their
 recompute) minus the expected load of chunks ``0..k-1`` (per tier used, one latency plus its
 bytes over its throughput; tiers in turn, as the store reads them). Loading the first chunks
 from DRAM and recomputing the ones only S3 holds is such a plan. As recompute is linear in k,
-the chosen k never has an expected load time above its expected recompute time. Overlap of a
+the chosen k never has an expected load time above its expected recompute time (but for a
+probe's one chunk, above). Overlap of a
 layer stream with the suffix's compute is not counted: the plan errs towards recompute by that.
 
 Thread-safe (a lock): the store's loop reads tiers and plans, an engine thread reports its steps.
@@ -28,10 +46,13 @@ Thread-safe (a lock): the store's loop reads tiers and plans, an engine thread r
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.config import PlannerConfig
@@ -41,6 +62,10 @@ from kvstore.storage.tier import ChunkTier
 DRAM = "dram"  # the tier name a plan gives chunks held in the DRAM pool
 SEED_LATENCY = {"local": 0.0005, "remote": 0.005}  # seconds per request until a tier's lookups are measured
 SMOOTHING = 0.3  # weight of a new measurement in each EWMA
+PREFILL_WINDOW = 8  # the prefill rate is the lower median of this many last measured steps
+MIN_PREFILL_STEPS = 2  # steps measured before the rate is used (one outlier alone never refuses a hit)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,13 +74,15 @@ class LoadPlan:
 
     ``tiers[i]`` names where chunk i is read from (``"dram"``, or a tier: ``"disk"``, ``"redis"``,
     ``"s3"``); its length is the prefix the store holds (what ``lookup`` answers). The seconds are
-    the planner's expectations for the first ``load`` chunks.
+    the planner's expectations for the first ``load`` chunks. ``probe``: the tier whose stale
+    estimate this plan re-measures by loading one of its chunks the estimates alone would refuse.
     """
 
     tiers: tuple[str, ...]
     load: int
     load_seconds: float
     recompute_seconds: float
+    probe: str | None = None
 
     @property
     def held(self) -> int:
@@ -76,20 +103,29 @@ class TierEstimate:
     bytes_per_s: float
     lookups: int = 0  # measurements folded in so far
     reads: int = 0
+    read_at: float | None = None  # the planner's clock at the last read measured (or the seed's); None: never
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
 
     def observe_latency(self, seconds: float) -> None:
-        self.latency_s = _ewma(self.latency_s, max(0.0, seconds), self.lookups)
-        self.lookups += 1
+        if math.isfinite(seconds):
+            self.latency_s = _ewma(self.latency_s, max(0.0, seconds), self.lookups)
+            self.lookups += 1
 
-    def observe_read(self, seconds: float, nbytes: int) -> None:
-        """A read of ``nbytes`` that took ``seconds`` (0 bytes: a read that timed out or found nothing)."""
+    def observe_read(self, seconds: float, nbytes: int, now: float | None = None, stale: bool = False) -> None:
+        """A read of ``nbytes`` that took ``seconds`` (0 bytes: a read that timed out or found nothing).
+
+        ``stale``: the estimate is out of date, the read replaces it (as a first read replaces the
+        seed); ``now``: the clock reading it is measured at. A non-finite or negative one is ignored.
+        """
+        if not (math.isfinite(seconds) and seconds >= 0 and nbytes >= 0):
+            return
         # What the request's latency leaves (a tenth of it at least: a latency sample above this read's).
         transfer = max(seconds - self.latency_s, seconds / 10, 1e-9)
-        self.bytes_per_s = max(1.0, _ewma(self.bytes_per_s, nbytes / transfer, self.reads))
+        self.bytes_per_s = max(1.0, _ewma(self.bytes_per_s, nbytes / transfer, 0 if stale else self.reads))
         self.reads += 1
+        self.read_at = now
 
 
 def _ewma(current: float, sample: float, seen: int) -> float:
@@ -103,18 +139,31 @@ class LoadPlanner:
     ``chunk_nbytes``/``chunk_tokens``: the layout's chunk; ``dram_bytes_per_s``: the seed of DRAM's
     estimate, measured once per process (:func:`kvstore.engine.costs.bus_bandwidth` where the pool is
     pinned for a GPU, else :func:`kvstore.engine.costs.copy_bandwidth`); the loads a connector times
-    (``observe_read(DRAM, ...)``) then move it.
+    (``observe_read(DRAM, ...)``) then move it. ``clock`` (seconds, monotonic) dates the read
+    estimates; one older than ``probe_interval`` is re-measured by a probe (see the module's doc).
     """
 
-    def __init__(self, config: PlannerConfig, chunk_nbytes: int, chunk_tokens: int, dram_bytes_per_s: float) -> None:
+    def __init__(
+        self,
+        config: PlannerConfig,
+        chunk_nbytes: int,
+        chunk_tokens: int,
+        dram_bytes_per_s: float,
+        *,
+        probe_interval: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config, self.chunk_nbytes, self.chunk_tokens = config, chunk_nbytes, chunk_tokens
-        self.dram = TierEstimate(0.0, dram_bytes_per_s)
+        self.probe_interval = config.probe_interval if probe_interval is None else probe_interval
+        self.clock = clock
+        self.dram = TierEstimate(0.0, dram_bytes_per_s, read_at=clock())  # the seed is a measurement
         self.tiers: dict[str, TierEstimate] = {}
-        self.measured_prefill: float | None = None  # tokens/s, an EWMA of the engine's own steps
+        self._prefill_rates: deque[float] = deque(maxlen=PREFILL_WINDOW)  # tokens/s of the last steps measured
         self._prefills = 0
+        self._prefills_rejected = 0
         self._seen: dict[str, tuple[int, float, int, float, int]] = {}  # per tier: counters read at the last sync
         self._seen_spans: dict[str, tuple[int, float, int]] = {}  # per tier: stream range requests, seconds, bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # describe() reads the rate under it
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -133,22 +182,53 @@ class LoadPlanner:
         """A load of ``nbytes`` of chunk data from ``tier`` that took ``seconds`` (any thread)."""
         estimate = self.estimate(tier, local)
         with self._lock:
-            estimate.observe_read(seconds, nbytes)
+            self._observe_read(estimate, seconds, nbytes)
+
+    def _observe_read(self, estimate: TierEstimate, seconds: float, nbytes: int) -> None:
+        now = self.clock()
+        estimate.observe_read(seconds, nbytes, now, stale=self._stale(estimate, now))
+
+    def _stale(self, estimate: TierEstimate, now: float) -> bool:
+        """Whether ``estimate``'s reads were measured, but not in the last ``probe_interval`` seconds."""
+        measured = estimate.reads > 0 or estimate is self.dram
+        return measured and (estimate.read_at is None or now - estimate.read_at >= self.probe_interval)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """The engine computed ``tokens`` prompt tokens in ``seconds`` (any thread); ignored if either is 0."""
-        if tokens <= 0 or seconds <= 0:
+        """The engine computed ``tokens`` prompt tokens in ``seconds`` (any thread).
+
+        Ignored unless both are finite and positive (counted; the first such one is logged).
+        """
+        if not (tokens > 0 and seconds > 0 and math.isfinite(tokens) and math.isfinite(seconds)):
+            with self._lock:
+                self._prefills_rejected += 1
+                first = self._prefills_rejected == 1
+            if first:
+                log.warning(
+                    "kvstore planner: ignored a prefill measurement of %r tokens in %r seconds (not a finite "
+                    "positive number; further ones are counted in the planner's prefill_rejected, not logged)",
+                    tokens,
+                    seconds,
+                )
             return
         with self._lock:
-            rate = tokens / seconds
-            self.measured_prefill = rate if self.measured_prefill is None else _ewma(self.measured_prefill, rate, 1)
+            self._prefill_rates.append(tokens / seconds)
             self._prefills += 1
 
     @property
+    def measured_prefill(self) -> float | None:
+        """The measured prefill rate (tokens/s): the lower median of the last steps; None before any."""
+        with self._lock:
+            rates = list(self._prefill_rates)
+        return statistics.median_low(rates) if rates else None
+
+    @property
     def prefill_tokens_per_s(self) -> float | None:
-        """The rate plans use: the pinned one, else the measured one, else None (not known yet)."""
+        """The rate plans use: the pinned one, else the measured one once :data:`MIN_PREFILL_STEPS` steps
+        were, else None (not known yet)."""
         pinned = self.config.prefill_tokens_per_s
-        return pinned if pinned is not None else self.measured_prefill
+        if pinned is not None:
+            return pinned
+        return self.measured_prefill if len(self._prefill_rates) >= MIN_PREFILL_STEPS else None
 
     def sync(self, tiers: Sequence[ChunkTier]) -> None:
         """Fold in what ``tiers`` measured since the last sync (loop thread: the tiers' counters are its).
@@ -176,40 +256,76 @@ class LoadPlanner:
                 if now[2] > before[2] and now[4] > before[4]:
                     batches = now[2] - before[2]
                     seconds, chunks = (now[3] - before[3]) / batches, (now[4] - before[4]) / batches
-                    estimate.observe_read(seconds, int(chunks * self.chunk_nbytes))
+                    self._observe_read(estimate, seconds, int(chunks * self.chunk_nbytes))
                 if spans[0] > spans_before[0]:  # per range request: its seconds and its bytes
                     requests = spans[0] - spans_before[0]
                     seconds, nbytes = (spans[1] - spans_before[1]) / requests, (spans[2] - spans_before[2]) / requests
-                    estimate.observe_read(seconds, int(nbytes))
+                    self._observe_read(estimate, seconds, int(nbytes))
 
     # -- plans ----------------------------------------------------------------------------------------
 
     def plan(self, tiers: Sequence[str], local: Sequence[bool] | None = None) -> LoadPlan:
         """The plan for a held prefix whose chunk i is in ``tiers[i]`` (``local[i]``: a disk-like tier).
 
-        Loads the whole prefix when the planner is off or the prefill rate is not known yet.
+        Loads the whole prefix when the planner is off or the prefill rate is not known yet; loads
+        one refused chunk more to probe a tier whose read estimate is stale (see the module's doc).
         """
         tiers = tuple(tiers)
         rate = self.prefill_tokens_per_s
         per_chunk = self.chunk_tokens / rate if rate else math.inf
+        estimates = [self.estimate(tier, True if local is None else local[i]) for i, tier in enumerate(tiers)]
+        best, best_load = self._best(tiers, estimates, per_chunk, stale=frozenset())
+        probe = None
+        if best < len(tiers) and self.config.enabled:
+            now = self.clock()
+            with self._lock:
+                stale = frozenset(
+                    tier for tier, e in zip(tiers[best:], estimates[best:], strict=True) if self._stale(e, now)
+                )
+            if stale:
+                hopeful, _ = self._best(tiers, estimates, per_chunk, stale)  # stale tiers at their latency only
+                first_stale = next(i for i in range(best, len(tiers)) if tiers[i] in stale)
+                if hopeful > first_stale:
+                    probe, best = tiers[first_stale], first_stale + 1
+                    best_load = self._load_seconds(tiers[:best], estimates[:best])
+        recompute = best * per_chunk if best else 0.0
+        return LoadPlan(tiers, best, best_load, recompute, probe)
+
+    def _best(
+        self, tiers: tuple[str, ...], estimates: list[TierEstimate], per_chunk: float, stale: frozenset[str]
+    ) -> tuple[int, float]:
+        """The number of leading chunks whose load saves the most time, and their expected load time.
+
+        Tiers in ``stale`` cost their latency only, as a tier whose reads were never measured.
+        """
         best, best_saving, best_load = 0, 0.0, 0.0
-        used: dict[str, int] = {}  # chunks per tier among the first k
-        load = 0.0
-        for k, tier in enumerate(tiers, start=1):
-            estimate = self.estimate(tier, True if local is None else local[k - 1])
-            count = used.get(tier, 0)
-            # One more chunk from this tier: its bytes, and the request's latency if it is the tier's first.
-            # A tier none of whose reads was measured yet costs its latency only: a seed never refuses
-            # a hit (else the tier would never be read, and never measured). DRAM is always counted: its
-            # seed is measured on this machine (the bus to a GPU, or a memcpy), then its loads' rate.
-            transfer = self.chunk_nbytes / estimate.bytes_per_s if estimate.reads or tier == DRAM else 0.0
-            load += transfer + (estimate.latency_s if count == 0 else 0.0)
-            used[tier] = count + 1
+        load, used = 0.0, set()
+        for k, (tier, estimate) in enumerate(zip(tiers, estimates, strict=True), start=1):
+            load += self._chunk_seconds(tier, estimate, tier in used, tier in stale)
+            used.add(tier)
             saving = k * per_chunk - load
             if not self.config.enabled or saving >= best_saving:  # ties: the longer prefix
                 best, best_saving, best_load = k, saving, load
-        recompute = best * per_chunk if best else 0.0
-        return LoadPlan(tiers, best, best_load, recompute)
+        return best, best_load
+
+    def _load_seconds(self, tiers: Sequence[str], estimates: Sequence[TierEstimate]) -> float:
+        """The expected time to load chunks held by ``tiers`` (one estimate each), tier after tier."""
+        load, used = 0.0, set()
+        for tier, estimate in zip(tiers, estimates, strict=True):
+            load += self._chunk_seconds(tier, estimate, tier in used, False)
+            used.add(tier)
+        return load
+
+    def _chunk_seconds(self, tier: str, estimate: TierEstimate, requested: bool, stale: bool) -> float:
+        """One more chunk from ``tier``: its bytes, and the request's latency unless ``requested`` already.
+
+        A tier none of whose reads was measured yet (or ``stale``) costs its latency only: a seed never
+        refuses a hit (else the tier would never be read, and never measured). DRAM is always counted:
+        its seed is measured on this machine (the bus to a GPU, or a memcpy), then its loads' rate.
+        """
+        measured = (estimate.reads > 0 or tier == DRAM) and not stale
+        transfer = self.chunk_nbytes / estimate.bytes_per_s if measured else 0.0
+        return transfer + (0.0 if requested else estimate.latency_s)
 
     def describe(self) -> dict[str, object]:
         """The estimates now (for stats and benchmarks)."""
@@ -218,6 +334,7 @@ class LoadPlanner:
                 "enabled": self.config.enabled,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "prefill_measured": self._prefills,
+                "prefill_rejected": self._prefills_rejected,
                 **{
                     name: {
                         "latency_s": e.latency_s,

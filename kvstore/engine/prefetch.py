@@ -19,10 +19,10 @@ early is promoted. The exception: a chunk read from a local tier (disk) into the
 outputs (``outs``) whose planes are contiguous is read straight into them (one vectored read per
 run of its layers, then a checksum per layer: no staging copy), and once the stream has it whole the store admits it
 to DRAM in the background, re-reading the file from the page cache, as ``get_many`` does
-(``StreamSources.admit``). A stream holds its staging slots for its whole life, so across all streams
-of a store they are at most half the pool (:class:`StagingShare`: the engine's puts keep the
-rest). A chunk with no staging slot is read as without promotion, and its promotion is dropped
-and counted.
+(``StreamSources.admit``). A stream holds its staging slots for its whole life, so across all
+streams of a store they are at most half the pool (:class:`~kvstore.engine.stream_sources.StagingShare`:
+the engine's puts keep the rest). A chunk with no staging slot is read as without promotion, and its
+promotion is dropped and counted.
 
 Outputs may live on a device (``outs`` CUDA tensors): each layer is then assembled in host memory
 (a chunk's DRAM slot as it is, a chunk read from a tier in its promotion slot) and crosses the bus
@@ -33,10 +33,11 @@ reads of the next layer go on. A layer has *arrived* when its copies are queued;
 without blocking the host). The slots a stream copies from stay referenced until its last copy has
 completed, not only until it closes.
 
-The reads of local sources themselves live in :mod:`kvstore.engine.stream_reads`, how far the producer
-may run (requests, a ring's releases) in :mod:`kvstore.engine.stream_pace`; this module keeps the
-producer, its sources and the device path, which share the slot and ordering rules above (hence its
-~580 lines).
+Where each chunk comes from and the slots a stream holds (opening, staging, promotion, release) live in
+:mod:`kvstore.engine.stream_sources`, the reads of local sources themselves in
+:mod:`kvstore.engine.stream_reads`, how far the producer may run (requests, a ring's releases) in
+:mod:`kvstore.engine.stream_pace`; this module keeps the stream itself: its consumer's side, the
+producer (which runs of layers are fetched, how many at once) and the device path.
 
 Closing a stream is bounded (``timeouts.close``) and a cancellation is never lost: every wait
 on a tier is under ``asyncio.timeout`` (``asyncio.wait_for`` can swallow a cancel on 3.11,
@@ -49,13 +50,10 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from kvstore.engine.dram import SlabPool
 from kvstore.engine.stream_pace import StreamPace
 from kvstore.engine.stream_reads import (
     LocalRead,
@@ -65,12 +63,11 @@ from kvstore.engine.stream_reads import (
     failed_where,
     read_files,
 )
-from kvstore.engine.transfer import DONE, Completion, DeviceTransfers, UploadScratch, ready_on_current_stream
-from kvstore.errors import PrefetchError, TierSkipped
+from kvstore.engine.stream_sources import StreamChunks, StreamSources
+from kvstore.engine.transfer import DONE, Completion, UploadScratch, ready_on_current_stream
+from kvstore.errors import PrefetchError, TierSkipped, TierTimeout
 from kvstore.keys import ChunkKey
-from kvstore.layout import KVLayout
-from kvstore.storage.layer_reader import LayerReader, ReaderTier
-from kvstore.storage.tier import ChunkTier
+from kvstore.storage.layer_reader import LayerReader
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread, usable_cores
 
@@ -78,64 +75,6 @@ log = logging.getLogger("kvstore.prefetch")
 FETCHES_IN_FLIGHT = 2  # runs of layers being read at once where _fetches_in_flight allows (3 and 4 measured no faster)
 UPLOAD_BYTES = 4 << 20  # into device outputs, a chunk's layers cross the bus in copies of about this size
 IN_PLACE_BYTES = 8 << 20  # read in place into CPU outputs, a chunk's layers are read in runs of about this size
-
-
-class StagingShare:
-    """The DRAM slots a store's layer streams hold for promotion: at most half the pool.
-
-    Uncapped, a forward pass streaming as many chunks from a tier as the pool has slots would
-    hold them all until its streams end, and every put meanwhile would be rejected. A slot is
-    taken as ``get_many`` takes one: a free slot first, else the least recently used chunk is
-    evicted (a warm pool is always full; staging only in free slots would never promote there).
-    A stream closed early has evicted those chunks for nothing: the price of promoting at all.
-    Touched only by stream producers, on the store's loop: no lock. Never blocks.
-    """
-
-    def __init__(self) -> None:
-        self.held = 0  # staging slots the store's streams hold now
-
-    def take(self, pool: SlabPool) -> int | None:
-        """A slot for staging (referenced), or None: the share is used up or every slot is referenced."""
-        if self.held >= pool.num_slots // 2:
-            return None
-        slot = pool.reserve()
-        if slot is not None:
-            self.held += 1
-        return slot
-
-    def give_back(self, pool: SlabPool, slot: int) -> None:
-        """Release a slot ``take`` gave (published meanwhile or not)."""
-        pool.release(slot)
-        self.held -= 1
-
-
-@dataclass(frozen=True)
-class StreamSources:
-    """What a layer stream needs from the store that opens it, and nothing more of it.
-
-    The store builds one and hands it to every stream it opens; a stream never reaches into the
-    store itself. ``opened`` is told, per stream, which chunks DRAM held (their slots, else None):
-    the store counts them and treats a DRAM hit as a chunk's second sighting.
-    """
-
-    layout: KVLayout
-    pool: SlabPool  # chunks in DRAM are copied from their slots (referenced while the stream runs)
-    tiers: Sequence[ChunkTier]  # the others are opened from the fastest tier that has them
-    executor: Executor  # for blocking file reads
-    read_timeout: float  # seconds a remote tier may take per request (timeouts.get)
-    opened: Callable[[Sequence[ChunkKey], Sequence[int | None]], None]
-    close_timeout: float = 10.0  # seconds close() waits for the producer to stop (timeouts.close)
-    # A chunk read whole and verified from ``tier`` into ``slot`` (None: it had no staging slot,
-    # see StagingShare): the store publishes it and queues it for the faster tiers, or counts the
-    # drop. Called on the loop, never awaited; the stream keeps its own reference to the slot and
-    # releases it.
-    promote: Callable[[ChunkKey, ReaderTier, int | None], None] | None = None
-    # A chunk read whole and verified from a local ``tier`` straight into the consumer's memory (no
-    # staging slot): the store admits it to DRAM in the background. Called on the loop, never awaited.
-    admit: Callable[[ChunkKey, ReaderTier], None] | None = None
-    staging: StagingShare = field(default_factory=StagingShare)  # shared by every stream of the store
-    transfers: DeviceTransfers = field(default_factory=DeviceTransfers)  # copies into device outputs
-    read_threads: int = 1  # a layer's file reads are spread over this many of the executor's threads
 
 
 class LayerStream:
@@ -196,10 +135,7 @@ class LayerStream:
         self.pace = StreamPace(depth, self.ring, layout.num_layers)  # how far the producer may run
         self._closing = False
         self._threads_per_fetch = sources.read_threads  # thread calls a run of layers is read in (see _fetch)
-        self._slots: list[int | None] = []
-        self._readers: list[LayerReader | None] = []
-        self._staging: list[int | None] = []  # per chunk read from a tier: its DRAM slot for promotion
-        self._direct: list[bool] = []  # per chunk: read from a local tier straight into CPU outputs (then admitted)
+        self._chunks = StreamChunks(sources, keys)  # per chunk: its DRAM slot or tier reader, its staging slot
         self._task = asyncio.create_task(self._produce(), name="kvstore-prefetch")
 
     @property
@@ -298,8 +234,11 @@ class LayerStream:
         # fetches started, in layer order: (task, layers); more than one only where _fetches_in_flight allows
         started: collections.deque[tuple[asyncio.Task[list[torch.Tensor]], int]] = collections.deque()
         try:
-            await self._open_sources()
-            self._reserve_staging()
+            await self._chunks.open()
+            # CPU outputs whose planes are contiguous: a chunk on a local tier is read straight into them
+            self._chunks.reserve_staging(
+                not self._on_device and self._outs is not None and self._outs[0].is_contiguous()
+            )
             (in_flight, self._threads_per_fetch), step = self._fetches_in_flight(), self._layers_per_fetch()
             while layer < self.num_layers:
                 await self.pace.until_allowed(layer, lambda: self._closing)
@@ -324,7 +263,7 @@ class LayerStream:
                     self._arrive(index, out)
                 layer = following
                 if layer == self.num_layers:
-                    self._promote()  # no await before it: a consumer closing the stream now cannot stop it
+                    self._chunks.promote()  # no await before it: a consumer closing the stream now cannot stop it
                 await asyncio.sleep(0)  # let waiters in between layers
         except asyncio.CancelledError:
             raise
@@ -339,13 +278,13 @@ class LayerStream:
                     task.cancel()
                 await asyncio.gather(*(task for task, _ in started), return_exceptions=True)
             finally:
-                self._release()
+                self._chunks.release(self._last_upload)
 
     def _overlaps(self) -> bool:
         """Whether layer i+1's reads may start while layer i's run: every chunk from DRAM or a local tier. The
         thread calls of two layers then keep the I/O threads (and the bus) busy across the wait between layers;
         a remote reader reads its layers in order, so a stream with one does not."""
-        return all(reader is None or reader.is_local for reader in self._readers)
+        return self._chunks.all_local()
 
     def _fetches_in_flight(self) -> tuple[int, int]:
         """Runs of layers read at once, and the thread calls each run's reads are spread over.
@@ -361,7 +300,7 @@ class LayerStream:
         if not self._overlaps():
             return 1, threads
         cores = usable_cores()
-        if any(reader is not None for reader in self._readers) and FETCHES_IN_FLIGHT * threads > cores:
+        if any(reader is not None for reader in self._chunks.readers) and FETCHES_IN_FLIGHT * threads > cores:
             return FETCHES_IN_FLIGHT, max(1, cores // FETCHES_IN_FLIGHT)
         return FETCHES_IN_FLIGHT, threads
 
@@ -371,7 +310,7 @@ class LayerStream:
         IN_PLACE_BYTES (one vectored read, checksummed while hot). Longer runs switch between files less often: a
         stream from disk on 2 cores made 0.87-0.93x of ``get_many`` from disk in runs of 8 MiB, 0.81-0.86x in runs
         of 4 MiB, 0.64-0.86x in runs doubling from one layer. A remote reader reads its layers one by one."""
-        if not (self._on_device or any(self._direct)) or not self._overlaps():
+        if not (self._on_device or any(self._chunks.direct)) or not self._overlaps():
             return 1
         run_bytes = UPLOAD_BYTES if self._on_device else IN_PLACE_BYTES
         return max(1, min(self.num_layers, -(-run_bytes // self._sources.layout.layer_nbytes)))
@@ -386,69 +325,6 @@ class LayerStream:
             future.set_result(outcome)
         self.outcomes[layer] = outcome
         self.arrived[layer].set()
-
-    async def _open_sources(self) -> None:
-        """Per chunk: a DRAM slot (referenced), else the fastest tier's reader (each tier opens its batch at once)."""
-        sources = self._sources
-        self._slots = [sources.pool.acquire(key) for key in self._keys]
-        sources.opened(self._keys, self._slots)
-        self._readers = [None] * len(self._keys)
-        missing = [index for index, slot in enumerate(self._slots) if slot is None]
-        for tier in sources.tiers:
-            if not missing:
-                return
-            # Files are opened in one thread call that is not cancelled midway (that would leak their
-            # descriptors); a remote tier's header reads are bounded by its timeout.
-            timeout = None if tier.is_local else sources.read_timeout
-            try:
-                with tier.breaker.guard():  # an open breaker skips the tier (TierSkipped, a TimeoutError)
-                    async with asyncio.timeout(timeout):
-                        opened = await tier.open_layers_many([self._keys[i] for i in missing])
-            except TierSkipped:
-                continue
-            except TimeoutError:
-                tier.stats.timeouts += 1
-                continue
-            for index, reader in zip(missing, opened, strict=True):
-                self._readers[index] = reader
-            missing = [index for index in missing if self._readers[index] is None]
-        if missing:
-            raise PrefetchError(
-                f"chunk {missing[0]} ({self._keys[missing[0]][:16]}...) is in no tier", chunk=missing[0]
-            )
-
-    def _reserve_staging(self) -> None:
-        """A DRAM slot per chunk read from a tier, where its layers are assembled for promotion.
-
-        None past the store's staging share or with every slot referenced (see StagingShare): that chunk
-        is read through a temporary (into device outputs: pageable, so its copy to the device is
-        synchronous) and its promotion dropped (counted when promoted). None too for chunks read in
-        place into CPU outputs (``_direct``): those are admitted to DRAM after the stream instead.
-        """
-        sources = self._sources
-        self._staging = [None] * len(self._keys)
-        direct = not self._on_device and self._outs is not None and self._outs[0].is_contiguous()
-        self._direct = [direct and reader is not None and reader.is_local for reader in self._readers]
-        if sources.promote is None:
-            return
-        for index, reader in enumerate(self._readers):
-            if reader is not None and not self._direct[index]:
-                self._staging[index] = slot = sources.staging.take(sources.pool)
-                if slot is None:
-                    return  # the share is used up or no slot is free: the rest is dropped too
-
-    def _promote(self) -> None:
-        """Every layer arrived: hand each chunk read from a tier to the store (its slot, or None: dropped)."""
-        promote, admit = self._sources.promote, self._sources.admit
-        if promote is None:
-            return
-        for key, reader, slot, direct in zip(self._keys, self._readers, self._staging, self._direct, strict=True):
-            if reader is None:
-                continue
-            if direct and admit is not None:
-                admit(key, reader.tier)
-            else:
-                promote(key, reader.tier, slot)
 
     async def _fetch(self, first: int, count: int) -> list[torch.Tensor]:
         """Layers ``first`` to ``first + count - 1`` of every chunk, each concatenated along the token axis.
@@ -469,8 +345,8 @@ class LayerStream:
         local: dict[int, list[LocalRead]] = {}  # per chunk read from a local tier: its layers' reads, in order
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for j, (layer, out) in enumerate(zip(layers, outs, strict=True)):
-            parts = chunk_parts(out, len(self._keys)) if any(self._direct) else None
-            chunks = zip(self._slots, self._readers, self._staging, strict=True)
+            parts = chunk_parts(out, len(self._keys)) if any(self._chunks.direct) else None
+            chunks = zip(self._chunks.slots, self._chunks.readers, self._chunks.staging, strict=True)
             for index, (slot, reader, staging) in enumerate(chunks):
                 target = out[:, index * tokens : (index + 1) * tokens]
                 if slot is not None:
@@ -491,7 +367,7 @@ class LayerStream:
                         )
                     target = hosts[index][j]
                 if reader.is_local:
-                    direct = parts[index] if parts is not None and self._direct[index] else None
+                    direct = parts[index] if parts is not None and self._chunks.direct[index] else None
                     local.setdefault(index, []).append((reader, layer, target, stage, direct))
                 else:
                     reads.append(self._read(reader, layer, target, stage, index))
@@ -546,7 +422,7 @@ class LayerStream:
             if id(reader) not in self._accounted:  # a chunk's failure counts once (runs in flight may both see it)
                 self._accounted.add(id(reader))
                 await reader.tier.account(reader.key, outcome)  # counted; a corrupt file is removed
-            chunk = next(index for index, held in enumerate(self._readers) if held is reader)
+            chunk = self._chunks.index_of(reader)
             failed = min(failed, (layer, chunk, reader), key=lambda f: f[:2]) if failed else (layer, chunk, reader)
         if failed is not None:
             layer, chunk, reader = failed
@@ -563,15 +439,15 @@ class LayerStream:
             # Later layers ride along in the same request, and the next request starts early,
             # as far as the stream may run ahead.
             ahead = min(self._depth, self.num_layers) - 1
-            with reader.tier.breaker.guard():  # open: this layer fails at once, without a wait
-                async with asyncio.timeout(self._sources.read_timeout):
-                    ok = await reader.read_counted(layer, tensor_bytes(contiguous), ahead)
+            ok = await reader.tier.guarded(  # open breaker: this layer fails at once, without a wait
+                lambda attempt: reader.read_counted(layer, tensor_bytes(contiguous), ahead, attempt),
+                self._sources.read_timeout,
+            )
         except TierSkipped:
             raise PrefetchError(
                 f"layer {layer} of {where} skipped: the tier's circuit breaker is open", chunk=chunk, layer=layer
             ) from None
-        except TimeoutError:
-            reader.tier.stats.timeouts += 1
+        except TierTimeout:
             raise PrefetchError(f"layer {layer} of {where} timed out", chunk=chunk, layer=layer) from None
         if not ok:
             raise PrefetchError(
@@ -579,22 +455,3 @@ class LayerStream:
             )
         if contiguous is not target:
             copy_between(target, contiguous)
-
-    def _release(self) -> None:
-        """Close the readers now; release the slots once the last copy out of them has completed."""
-        for reader in self._readers:
-            if reader is not None:
-                reader.close()
-        slots, staging = self._slots, self._staging
-        self._slots, self._readers, self._staging = [], [], []
-        sources = self._sources
-
-        def release() -> None:
-            for slot in slots:
-                if slot is not None:
-                    sources.pool.release(slot)
-            for slot in staging:
-                if slot is not None:
-                    sources.staging.give_back(sources.pool, slot)
-
-        sources.transfers.after(self._last_upload, release, asyncio.get_running_loop())

@@ -12,10 +12,11 @@
   handed to an operation stays referenced until that operation has really finished, even past a
   timeout, so its memory is never reused under a thread that is still reading or writing it.
 
-About 650 lines on purpose: put (from CPU and device memory), lookup, get, the write cascade and the
-streams' promotions share the slot reference rules above and read best side by side; what stands
-alone lives beside this module (reads from the tiers, bounded tier operations, measured costs,
-layer streams, the DRAM pool, metrics).
+About 600 lines on purpose: put (from CPU and device memory, with the second-sighting policy),
+lookup, get and the streams' promotions share the slot reference rules above and the store's
+counters, and read best side by side; what stands alone lives beside this module (the write
+cascade: engine/cascade.py; reads from the tiers: engine/loads.py; each tier's guarded
+operations: storage/health.py; measured costs, layer streams, the DRAM pool, metrics).
 """
 
 from __future__ import annotations
@@ -32,24 +33,24 @@ import numpy as np
 import torch
 
 from kvstore.backends import make_backend
-from kvstore.codecs import make_codec
+from kvstore.codecs import CodecPipeline, make_codec
 from kvstore.config import StoreConfig
 from kvstore.engine import metrics
+from kvstore.engine.cascade import WriteCascade
 from kvstore.engine.costs import bus_bandwidth, copy_bandwidth, measured_costs
 from kvstore.engine.dram import SlabPool
-from kvstore.engine.loads import Deadline, TierLoader, releaser
-from kvstore.engine.operations import TierOperations
+from kvstore.engine.loads import Deadline, TierLoader
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
-from kvstore.engine.prefetch import LayerStream, StreamSources
+from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.stats import StoreLatency
+from kvstore.engine.stream_sources import StreamSources
 from kvstore.engine.transfer import Completion, DeviceTransfers, ready_on_current_stream
-from kvstore.errors import StoreClosedError, TierTimeout
+from kvstore.errors import StoreClosedError
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker
 from kvstore.sizing.advice import Advice, CostModel, Policy, advise
 from kvstore.sizing.mrc import ReuseProfile
-from kvstore.storage.breaker import CircuitBreaker
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.layer_reader import ReaderTier
 from kvstore.storage.tier import ChunkTier
@@ -57,7 +58,6 @@ from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread, usable_cores
 
 log = logging.getLogger("kvstore")
-WRITE_BATCH = 8  # chunks a cascade worker writes in one go when its queue has backed up
 OFF_LOOP_COPY_BYTES = 1 << 20  # put copies chunks this large in a thread above a remote tier (see _copy_in)
 
 
@@ -73,7 +73,8 @@ class KVStore:
         salt: bytes | str | None = None,
         tiers: Sequence[ChunkTier] | None = None,
     ) -> None:
-        """``tiers`` replaces the tiers built from ``config`` (for tests and custom backends)."""
+        """``tiers`` replaces the tiers built from ``config`` (for tests and custom backends), each with its own
+        health: its circuit breaker is the one it was built with, not ``config.breaker``."""
         self.config = config
         self.layout = layout
         self.namespace = namespace
@@ -84,7 +85,9 @@ class KVStore:
         self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
         adaptive = config.adaptive
         most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
-        self.pool = SlabPool(layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most)
+        self.pool = SlabPool(
+            layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most, eviction=config.dram.eviction
+        )
         self.policy: Policy = adaptive.policy
         self.adaptive = AdaptiveCounters()
         self._tracker: AccessTracker | None = None
@@ -92,8 +95,6 @@ class KVStore:
         self._auto: AutoMode | None = None  # made at open(), with the tracker
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
         self._remote_below = any(not tier.is_local for tier in self.tiers)  # puts copy off the loop (_copy_in)
-        for tier in self.tiers:  # each tier's circuit breaker, as configured (kvstore.storage.breaker)
-            tier.breaker = CircuitBreaker(tier.name, **config.breaker.model_dump())
         self._counters = {  # what the engine asked: stats()["store"], the kvstore_* counters
             "puts": 0,
             "put_rejected": 0,
@@ -122,10 +123,11 @@ class KVStore:
             read_threads=min(config.io_threads, usable_cores()),  # more threads than cores only add hops
         )
         self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()  # closed with the store
-        self._queues: list[asyncio.Queue[tuple[ChunkKey, int]]] = []
-        self._workers: list[asyncio.Task[None]] = []
-        self._operations = TierOperations()  # each bounded by its timeout, tracked until it really ends
-        self._loader = TierLoader(self.pool, self.tiers, self._operations, self._enqueue)
+        # each tier's queue of writes and its workers (kvstore.engine.cascade)
+        self._cascade = WriteCascade(
+            self.pool, self.tiers, config.queue_depth, config.tier_workers, config.timeouts.put
+        )
+        self._loader = TierLoader(self.pool, self.tiers, self._cascade.enqueue)
         self.latency = StoreLatency()  # per lookup/get call; each tier keeps its own (tier.latency)
         # DRAM's seed: the bus where the pool is pinned for a GPU, a memcpy elsewhere (measured loads then take over)
         dram_rate = (bus_bandwidth() if self.pool.pinned else None) or copy_bandwidth()
@@ -134,7 +136,9 @@ class KVStore:
         self._state = "new"
 
     def _tiers_from_config(self) -> list[ChunkTier]:
-        """Fastest first: disk, then Redis, then S3 (each enabled in the config)."""
+        """Each backend the config enables, fastest first: disk, Redis, S3, and registered ones by their rank."""
+        from kvstore.backends.registry import backend_sections
+
         config = self.config
         directory = namespace_dir(self.namespace)  # objects are stored per namespace: see kvstore gc
         key = config.encryption.resolve_key()
@@ -146,8 +150,9 @@ class KVStore:
                 self.layout,
                 self._executor,
                 cipher=cipher,
+                breaker=config.breaker,
             )
-            for section in (config.disk, config.redis, config.s3)
+            for _, section in backend_sections(config)
             if section.enabled
         ]
 
@@ -169,13 +174,7 @@ class KVStore:
                 log.info(
                     "kvstore: the %s tier stores KV with the lossy codec %r (allow_lossy)", tier.name, tier.codec.id
                 )
-        for tier in self.tiers:
-            queue: asyncio.Queue[tuple[ChunkKey, int]] = asyncio.Queue(self.config.queue_depth)
-            self._queues.append(queue)
-            for n in range(self.config.tier_workers):
-                self._workers.append(
-                    asyncio.create_task(self._cascade_worker(tier, queue), name=f"kvstore-{tier.name}-{n}")
-                )
+        self._cascade.start()
         self._state = "open"
         metrics.register(self)
         return self
@@ -203,15 +202,9 @@ class KVStore:
                 )
         if self._auto is not None:
             self._auto.cancel()
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        for tier, queue in zip(self.tiers, self._queues, strict=False):  # no queues if open() failed
-            while not queue.empty():
-                _, slot = queue.get_nowait()
-                tier.stats.drops += 1
-                self.pool.release(slot)
-        self._operations.cancel_all()  # slots are released by their own callbacks when threads end
+        await self._cascade.stop()  # what is still queued is dropped, counted
+        for tier in self.tiers:  # slots are released by their operations' own callbacks when threads end
+            tier.cancel_operations()
         self._loader.cancel_admissions()
         await asyncio.gather(*(self._close_tier(tier) for tier in self.tiers))  # at once: one timeouts.close in all
         if self._tracker is not None:
@@ -363,7 +356,7 @@ class KVStore:
         if not self.pool.publish(slot, key):  # another put of the same key won the race
             self._counters["put_duplicate"] += 1
             return
-        self._enqueue(below, key, slot)
+        self._cascade.enqueue(below, key, slot)
         if below is not self.tiers:
             self._held_back.add(key)
             self.adaptive.held_back += 1
@@ -383,38 +376,6 @@ class KVStore:
             await in_thread(self._copy_executor, copy_between, target, kv)
         else:
             copy_between(target, kv)
-
-    def _enqueue(self, tiers: Sequence[ChunkTier], key: ChunkKey, slot: int) -> None:
-        """Hand the slot to each tier's queue, one reference per queued write."""
-        for tier in tiers:
-            queue = self._queues[self.tiers.index(tier)]
-            if queue.full():
-                tier.stats.drops += 1
-                continue
-            self.pool.retain(slot)
-            queue.put_nowait((key, slot))
-
-    async def _cascade_worker(self, tier: ChunkTier, queue: asyncio.Queue[tuple[ChunkKey, int]]) -> None:
-        """Write what the queue holds, in batches of up to WRITE_BATCH when writes pile up."""
-        while True:
-            batch = [await queue.get()]
-            while len(batch) < WRITE_BATCH and not queue.empty():
-                batch.append(queue.get_nowait())
-            try:
-                write = tier.write_many([(key, self.pool.buffer(slot)) for key, slot in batch])
-                end_of_write = releaser(self.pool, [slot for _, slot in batch])
-                timeout = self.config.timeouts.put * len(batch)
-                outcomes = await self._operations.bounded(
-                    write, timeout, tier, tier.latency.write, end_of_write, writes=len(batch)
-                )
-                for (key, _), outcome in zip(batch, outcomes, strict=True):
-                    if outcome is not None:
-                        log.warning("%s tier: write of %s failed: %r", tier.name, key[:16], outcome)
-            except TierTimeout:
-                pass  # counted; the slots are released when the write really ends
-            finally:
-                for _ in batch:
-                    queue.task_done()
 
     # -- lookup and get ------------------------------------------------------------------------
 
@@ -528,7 +489,7 @@ class KVStore:
             return
         for key, slot in zip(keys, slots, strict=True):
             if slot is not None and self._held_back.take(key):
-                self._enqueue(self.tiers, key, slot)
+                self._cascade.enqueue(self.tiers, key, slot)
                 self.adaptive.released += 1
 
     def _stream_opened(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
@@ -537,7 +498,9 @@ class KVStore:
         self._counters["streamed"] += len(keys)
         self._counters["streamed_from_dram"] += sum(slot is not None for slot in slots)
 
-    def _stream_promote(self, key: ChunkKey, tier: ReaderTier, slot: int | None) -> None:
+    def _stream_promote(
+        self, key: ChunkKey, tier: ReaderTier, slot: int | None, lossy: CodecPipeline | None = None
+    ) -> None:
         """A layer stream read ``key`` whole and verified from ``tier`` into ``slot``: into DRAM and the faster tiers.
 
         As ``get_many`` promotes (under either write policy: a chunk read from a tier was written
@@ -550,7 +513,7 @@ class KVStore:
             return
         position = next(i for i, held in enumerate(self.tiers) if held is tier)
         drops = sum(held.stats.drops for held in self.tiers[:position])
-        if not self._loader.promote(position, key, slot):
+        if not self._loader.promote(position, key, slot, lossy):
             return  # a put (or another stream) of the same key landed meanwhile: DRAM has it
         self._counters["stream_promoted"] += 1
         self._counters["stream_promotions_dropped"] += sum(held.stats.drops for held in self.tiers[:position]) - drops
@@ -630,15 +593,13 @@ class KVStore:
         """
         await asyncio.gather(*(asyncio.shield(landed) for landed in list(self._device_puts)))
         await self._loader.settle()
-        await asyncio.gather(*(queue.join() for queue in self._queues))
+        await self._cascade.join()
 
     # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        tiers = {
-            tier.name: {**tier.stats_dict(), "queued": queue.qsize()}
-            for tier, queue in zip(self.tiers, self._queues, strict=False)
-        }
+        queued = {tier: self._cascade.queued(tier) for tier in self.tiers}
+        tiers = {tier.name: {**tier.stats_dict(), "queued": n} for tier, n in queued.items() if n is not None}
         loader = self._loader
         store = {**self._counters, "admitted": loader.admitted, "admissions_dropped": loader.admissions_dropped}
         adaptive: dict[str, Any] = {"policy": self.policy, **self.adaptive.as_dict()}

@@ -3,6 +3,13 @@
 Each method submits the async method to that loop and waits for its result: a thin wrapper,
 so behaviour and errors are the async core's. ``put`` waits only for the DRAM copy; the writes
 to slower tiers continue on the loop thread while the engine goes on.
+
+A call that ends early never leaves work behind in the caller's memory. ``submit`` returns a
+:class:`LoopCall`, whose ``cancel()`` returns only once its coroutine has stopped (a read that
+fills the caller's ``outs`` writes nothing into them after that; see ``KVStore.get_many``), and a
+blocking call interrupted in the engine thread (a ``flush(timeout)`` that times out, a
+KeyboardInterrupt) cancels its coroutine the same way before the exception reaches the caller.
+The wait is bounded by ``timeouts.close``: the store's own operations stop within it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ log = logging.getLogger("kvstore")
 
 
 class SyncKVStore:
+    """:class:`~kvstore.KVStore`'s methods for engine threads, blocking (see the module's doc)."""
+
     def __init__(self, config: StoreConfig, layout: KVLayout, namespace: str, **kwargs: Any) -> None:
+        self._settle_s = config.timeouts.close  # how long a cancelled call may take to stop
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-loop", daemon=True)
         self._thread.start()
@@ -47,10 +57,17 @@ class SyncKVStore:
         return await KVStore(config, layout, namespace, **kwargs).open()
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coroutine`` on the loop and wait for it; if the wait ends early (a timeout, an interrupt),
+        the coroutine is cancelled, and has stopped, before the exception is raised."""
         if threading.current_thread() is self._thread:
             coroutine.close()
             raise RuntimeError("SyncKVStore methods cannot be called from its own event-loop thread")
-        return self.submit(coroutine).result(timeout)
+        call = self.submit(coroutine)
+        try:
+            return call.result(timeout)
+        except BaseException:
+            call.cancel()  # False if it had ended: then nothing is left running
+            raise
 
     def chunk_keys(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[ChunkKey]:
         return self.store.chunk_keys(token_ids, extra)
@@ -80,15 +97,34 @@ class SyncKVStore:
         """``plan`` without waiting: for callers that must not block (an engine's scheduler)."""
         return self.submit(self.store.plan(keys))
 
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run a coroutine (using ``self.store``) on the store's loop without waiting for it."""
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> LoopCall[T]:
+        """Run a coroutine (using ``self.store``) on the store's loop without waiting for it.
+
+        The future's ``cancel()`` returns once the coroutine has stopped (see :class:`LoopCall`).
+        """
         if self._loop.is_closed() or not self._thread.is_alive():
             coroutine.close()
             raise StoreClosedError("the SyncKVStore is closed")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        call: LoopCall[T] = LoopCall(self._loop, self._thread, self._settle_s)
+        try:
+            self._loop.call_soon_threadsafe(call.start, coroutine)
+        except RuntimeError:  # the loop closed meanwhile
+            coroutine.close()
+            raise StoreClosedError("the SyncKVStore is closed") from None
+        return call
 
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self._call(self.store.get(key, out))
+
+    def get_many(
+        self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor | None]:
+        """``KVStore.get_many``: each chunk as ``outs[i]`` (or a new tensor), or None on a miss.
+
+        Once this returns, or raises, nothing writes into ``outs`` any more; so too once a
+        ``submit(store.get_many(keys, outs))`` future's ``cancel()`` has returned.
+        """
+        return self._call(self.store.get_many(keys, outs))
 
     def prefetch(
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
@@ -129,6 +165,78 @@ class SyncKVStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class LoopCall(concurrent.futures.Future[T]):
+    """A coroutine run on the store's loop (what :meth:`SyncKVStore.submit` returns).
+
+    A ``concurrent.futures.Future`` whose :meth:`cancel` stops the coroutine, not only the wait
+    for it: one not started yet never starts (no wait); a running one is cancelled on the loop,
+    and ``cancel()`` returns once it has ended, at most ``settle_s`` seconds later (the store's
+    ``timeouts.close``, within which its operations stop). So when ``cancel()`` returns True,
+    memory the coroutine was writing (a ``get_many``'s ``outs``) is the caller's again, and
+    whoever waits on ``result()`` in another thread is woken only then too.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread, settle_s: float) -> None:
+        super().__init__()
+        self._loop, self._loop_thread, self._settle_s = loop, loop_thread, settle_s
+        self._task: asyncio.Task[T] | None = None
+        self._started = False  # under _start_lock: the coroutine runs (or ran) on the loop
+        self._start_lock = threading.Lock()
+        self._ended = threading.Event()  # the coroutine has ended: nothing of it runs any more
+
+    def start(self, coroutine: Coroutine[Any, Any, T]) -> None:
+        """Start the coroutine (on the loop), unless the call was cancelled first: then it never runs."""
+        with self._start_lock:
+            if self.cancelled():
+                coroutine.close()
+                self._ended.set()
+                return
+            self._started = True
+        self._task = self._loop.create_task(coroutine)
+        self._task.add_done_callback(self._finish)
+
+    def _finish(self, task: asyncio.Task[T]) -> None:
+        """The coroutine ended (on the loop): its outcome becomes this future's."""
+        try:
+            if task.cancelled():
+                super().cancel()
+            elif self.set_running_or_notify_cancel():
+                exception = task.exception()
+                if exception is None:
+                    self.set_result(task.result())
+                else:
+                    self.set_exception(exception)
+        finally:
+            self._ended.set()
+
+    def cancel(self) -> bool:
+        """Cancel the coroutine; True once it has stopped cancelled, False if it had ended (or would not stop).
+
+        On the loop's own thread it cannot be waited for: it is cancelled and True returned at once.
+        """
+        with self._start_lock:
+            if self.done():
+                return False
+            if not self._started:  # start() will see it and close the coroutine unrun
+                return super().cancel()
+        if threading.current_thread() is self._loop_thread:
+            assert self._task is not None  # started, and start() runs on this thread
+            self._task.cancel()
+            return True
+        try:
+            self._loop.call_soon_threadsafe(self._cancel_task)
+        except RuntimeError:  # the loop is closed: nothing of the coroutine runs any more
+            return super().cancel()
+        if not self._ended.wait(self._settle_s):
+            log.warning("a cancelled kvstore call did not stop within %.1fs (timeouts.close)", self._settle_s)
+            return False
+        return self.cancelled()
+
+    def _cancel_task(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 class LoopWaker:

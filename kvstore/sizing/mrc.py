@@ -29,6 +29,9 @@ from typing import Any
 
 import numpy as np
 
+MODELLED_EVICTION = "lru"
+"""The eviction policy whose hit rates the curves give: AET models LRU (a tier evicting by a scan-resistant
+policy, ``dram.eviction`` / ``disk.eviction``, hits differently: docs/eviction.md measures by how much)."""
 BUCKETS_PER_OCTAVE = 16  # reuse-time resolution: ~4.4% apart
 BUCKETS = BUCKETS_PER_OCTAVE * 48  # reuse times up to 2**48 references
 SIGHTING_SLOTS = 1 << 22  # per row of the sighting sketch: 2 rows of uint8, 8 MiB (count-min: a chunk counts as

@@ -12,9 +12,9 @@ Contract:
 - A *failure* is a timeout or an error of the tier or its server (connection refused, I/O
   error). A miss is a success, and so is a corrupt or foreign object: that is the object's
   fault, not the tier's; so is a write the server refused while answering (see
-  :func:`unreachable`) and a failed removal of a corrupt object. Tier code reports errors
-  with :func:`note_failure`; the caller that waits for the operation reports timeouts,
-  inside :meth:`CircuitBreaker.guard`.
+  :func:`unreachable`) and a failed removal of a corrupt object. The breaker only keeps the
+  state: :class:`kvstore.storage.health.TierHealth` admits each operation (:meth:`admit`) and
+  settles its outcome (:meth:`settle`), the one place that does.
 - A success resets the count of consecutive failures, and closes a half-open breaker (the
   back-off starts again from ``backoff``).
 - The log gets exactly one line when the breaker opens and one when it closes: never one per
@@ -27,52 +27,16 @@ The clock is injectable, so tests of the state machine need no sleeping.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Literal
 
-from kvstore.errors import TierSkipped
+from kvstore.backends.registry import timeout_error_names, unreachable_error_names
 
 log = logging.getLogger("kvstore.breaker")
 State = Literal["closed", "open", "half-open"]
 STATES: tuple[State, ...] = ("closed", "open", "half-open")
-
-
-@dataclass
-class _Attempt:
-    """One guarded operation: whether the tier code below it noted a failure, or its caller excused one."""
-
-    failed: bool = False
-    excused: bool = False  # the caller cut the operation short (less than its timeout): not the tier's fault
-
-
-_attempt: ContextVar[_Attempt | None] = ContextVar("kvstore_breaker_attempt", default=None)
-
-
-def note_failure() -> None:
-    """The tier or its server failed the operation under way (an I/O or connection error).
-
-    Called where the tier counts an error. It marks the guarded operation whose task (or a task
-    started from it) is running, so concurrent operations on the same tier never take the blame
-    for each other. Outside a guarded operation it does nothing.
-    """
-    attempt = _attempt.get()
-    if attempt is not None:
-        attempt.failed = True
-
-
-# Client libraries' own connection-level errors, by class name: redis-py's ConnectionError and
-# TimeoutError, botocore's EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError and
-# ConnectionClosedError (matched by name so this module needs neither library).
-_UNREACHABLE = frozenset(
-    {"ConnectionError", "TimeoutError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-     "ConnectionClosedError"}
-)  # fmt: skip
 
 
 def unreachable(error: BaseException) -> bool:
@@ -81,31 +45,34 @@ def unreachable(error: BaseException) -> bool:
 
     Why it matters: a write refused that way says nothing about reads (a Redis at ``maxmemory``
     still serves GETs; read-only S3 credentials still read), so it must not open the breaker
-    that reads go through. The error's causes are looked at too (a backend may wrap one).
+    that reads go through. The error's causes are looked at too (a backend may wrap one). A client
+    library's own connection errors are known by class name, as each backend declares them
+    (``BackendSpec.unreachable_errors``: redis-py's ``ConnectionError``, botocore's
+    ``EndpointConnectionError``, ...), so this module needs none of those libraries.
     """
+    names = unreachable_error_names()
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, (ConnectionError, TimeoutError)):
             return True
-        if any(cls.__name__ in _UNREACHABLE for cls in type(current).__mro__):
+        if any(cls.__name__ in names for cls in type(current).__mro__):
             return True
         current = current.__cause__ or current.__context__
     return False
 
 
-_TIMED_OUT = frozenset({"TimeoutError", "ConnectTimeoutError", "ReadTimeoutError"})
-
-
 def timed_out(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) is a request that ran out of time: Python's
-    TimeoutError or a client's own (redis-py's ``TimeoutError``, botocore's ``ReadTimeoutError``)."""
+    TimeoutError or a client's own (redis-py's ``TimeoutError``, botocore's ``ReadTimeoutError``: each
+    backend's ``BackendSpec.timeout_errors``)."""
+    names = timeout_error_names()
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, TimeoutError) or any(cls.__name__ in _TIMED_OUT for cls in type(current).__mro__):
+        if isinstance(current, TimeoutError) or any(cls.__name__ in names for cls in type(current).__mro__):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -202,42 +169,12 @@ class CircuitBreaker:
         else:
             self.skipped_reads += 1
 
-    # -- for callers that wait on a tier -------------------------------------------------------
+    def settle(self, probe: bool, failed: bool, cancelled: bool = False) -> None:
+        """One admitted operation's outcome (``probe``: it was admitted as the half-open probe).
 
-    @contextmanager
-    def guard(self, writes: int = 0, on_skip: Callable[[], None] | None = None) -> Iterator[_Attempt]:
-        """Run one tier operation under the breaker; if it is open, count the skip, call ``on_skip``, raise
-        :class:`TierSkipped`.
-
-        An exception out of the block (a timeout, say) or a failure the tier noted inside it
-        (:func:`note_failure`) is a failure; the block ending normally otherwise is a success;
-        a cancellation counts neither way (a cancelled probe lets the next caller probe), nor does
-        an exception the caller marked ``excused`` on the attempt it gets (a timeout it cut short).
-        Tasks created inside the block see its note: create the operation's task there.
+        A late failure of an operation admitted before the breaker opened changes nothing (the
+        tier is already skipped); a cancelled probe is retried by the next caller.
         """
-        if not self.admit():
-            self.skip(writes)
-            if on_skip is not None:
-                on_skip()
-            raise TierSkipped(self.tier)
-        probe = self.state == "half-open"  # only the probe is admitted while half-open
-        attempt = _Attempt()
-        token = _attempt.set(attempt)
-        try:
-            yield attempt
-        except asyncio.CancelledError:
-            self._settle(probe, attempt.failed, cancelled=True)
-            raise
-        except BaseException:
-            self._settle(probe, failed=not attempt.excused, cancelled=attempt.excused)
-            raise
-        finally:
-            _attempt.reset(token)
-        self._settle(probe, attempt.failed)
-
-    def _settle(self, probe: bool, failed: bool, cancelled: bool = False) -> None:
-        """One guarded operation's outcome. A late failure of an operation admitted before the
-        breaker opened changes nothing (the tier is already skipped); a cancelled probe is retried."""
         if failed and (probe or self.state == "closed"):
             self.failure()
         elif failed or cancelled:

@@ -265,7 +265,7 @@ def _codec_for(name: str) -> CodecPipeline:
     """
     try:
         return _codec_named(name)
-    except ValueError as exc:
+    except Exception as exc:  # unknown, or a plugin that fails to load or build: whatever it raises
         raise ForeignChunkError(f"unknown codec in header ({exc}); this process cannot decode it") from None
 
 

@@ -8,17 +8,19 @@ read of an open file or a byte-range request, in whatever order the stream asks.
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from kvstore.backends.base import Backend, ObjectFile
+from kvstore.backends.base import ObjectFile
 from kvstore.errors import ChunkFormatError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.container import CHECK_HOT_BYTES, ChunkHeader, decode_layer, verify_segment
-from kvstore.storage.stats import TierLatency, TierStats
+from kvstore.storage.health import UNGUARDED, Attempt
 from kvstore.util.threads import in_thread
+
+T = TypeVar("T")
 
 
 class ReaderTier(Protocol):
@@ -26,13 +28,29 @@ class ReaderTier(Protocol):
 
     name: str
     layout: KVLayout
-    backend: Backend
-    stats: TierStats
-    latency: TierLatency
     executor: Executor | None
 
-    async def account(self, key: ChunkKey, outcome: int | None | BaseException) -> bool:
+    @property
+    def range_request_bytes(self) -> int:
+        """The most bytes one range request should ask for (the backend's)."""
+        ...
+
+    async def read_range(self, key: ChunkKey, start: int, stop: int) -> bytes | None:
+        """Bytes ``[start, stop)`` of ``key``'s object (None if it is gone), timed for the load planner."""
+        ...
+
+    def count_read(self, nbytes: int) -> None:
+        """Add ``nbytes`` of stored bytes read (a layer that was read and verified) to the tier's stats."""
+        ...
+
+    async def account(
+        self, key: ChunkKey, outcome: int | None | BaseException, counted: bool = True, attempt: Attempt = ...
+    ) -> bool:
         """Count a read's outcome in the tier's stats; True for a hit (a corrupt object is removed)."""
+        ...
+
+    async def guarded(self, operation: Callable[[Attempt], Awaitable[T]], timeout: float | None) -> T:
+        """Run ``operation`` on the tier under its circuit breaker and ``timeout`` (see ChunkTier.guarded)."""
         ...
 
 
@@ -114,11 +132,7 @@ class LayerReader:
         stop = base + segments[end - 1].offset + segments[end - 1].stored_len
         self._layers_fetched += end - first
         self._requested_end = max(self._requested_end, end)
-        started = time.perf_counter()
-        data = await self.tier.backend.get(self.key, (start, stop))
-        if data is not None:  # the load planner's throughput of this tier (TierLatency.span)
-            self.tier.latency.span.observe(time.perf_counter() - started)
-            self.tier.latency.span_bytes += len(data)
+        data = await self.tier.read_range(self.key, start, stop)
         if data is None:
             raise ChunkFormatError(f"layer {first} vanished while the chunk was being read")
         if len(data) != stop - start:
@@ -137,22 +151,23 @@ class LayerReader:
         """
         if layer in self._fetched:
             return 0
-        per_request = self.tier.backend.range_request_bytes
+        per_request = self.tier.range_request_bytes
         cap = max(1, per_request // max(1, self.header.segments[layer].stored_len)) - 1
         return min(self._layers_fetched, limit, cap)
 
-    async def read_counted(self, layer: int, out: memoryview, ahead: int = 0) -> bool:
-        """``read``, with a failure counted in the tier's stats (a corrupt chunk is removed)."""
+    async def read_counted(self, layer: int, out: memoryview, ahead: int = 0, attempt: Attempt = UNGUARDED) -> bool:
+        """``read``, with a failure counted in the tier's stats (a corrupt chunk is removed) and, when the tier
+        failed it, on ``attempt`` (the guarded operation it runs in: :meth:`ChunkTier.guarded`)."""
         try:
             await self.read(layer, out, ahead)
         except Exception as exc:
-            return await self.tier.account(self.key, exc)
+            return await self.tier.account(self.key, exc, True, attempt)
         self.count(layer)
         return True
 
     def count(self, layer: int) -> None:
         """Add a layer read that succeeded to the tier's stats."""
-        self.tier.stats.bytes_read += self.header.segments[layer].stored_len
+        self.tier.count_read(self.header.segments[layer].stored_len)
 
     def read_local(self, layer: int, parts: list[memoryview]) -> None:
         """The blocking file read of :meth:`read` (call it from a worker thread) into ``parts``, filled in order.

@@ -29,6 +29,7 @@ class TierStats:
     corrupt: int = 0  # an object failed its checks: counted, removed, treated as a miss
     foreign: int = 0  # a valid object this store cannot open (another encryption key): a miss, left in place
     skipped: int = 0  # a write skipped because the tier already held the chunk
+    lossy_reads: int = 0  # hits on chunks stored with a lossy codec (their values are the codec's, not exact)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -10,48 +10,42 @@ Batches go through the backend's hooks (:meth:`~kvstore.backends.base.Backend.wr
 ``read_many``, ``open_many``) with the tier's per-chunk work as callables, in both the forms a
 backend may run it: blocking work on an open file (a backend of files runs a whole batch in one
 thread call), and async work through the backend's requests (a network backend, all at once).
+How one object is read and checked is :mod:`kvstore.storage.chunk_reads`; the tier counts the
+outcome. Its health (breaker, failure counters, latency, operations in flight) is
+:mod:`kvstore.storage.health`: the store, loads and streams call the tier's guarded operations
+(:meth:`ChunkTier.lookup`, ``read``, ``write``, ``open_layers``, ``guarded``), never its parts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from typing import Any, TypeVar
 
-from kvstore.backends.base import Backend, ObjectFile, ObjectRead, ObjectWrite
+from kvstore.backends.base import Backend, ObjectRead, ObjectWrite
 from kvstore.codecs import CodecPipeline
 from kvstore.codecs.base import SegmentSpec
+from kvstore.config import BreakerConfig
 from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChunkError
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
-from kvstore.storage.breaker import CircuitBreaker, note_failure, timed_out, unreachable
-from kvstore.storage.container import (
-    CHECK_HOT_BYTES,
-    ChunkHeader,
-    decode_chunk,
-    decode_layer,
-    encode_chunk,
-    header_length,
-    header_size,
-    parse_header,
-    verify_segments,
-)
+from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
+from kvstore.storage.chunk_reads import UNGUARDED, ChunkReads, Guard, LossyRead, ReadOutcome
+from kvstore.storage.container import encode_chunk
 from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.health import UNGUARDED as NOT_GUARDED
+from kvstore.storage.health import Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.storage.stats import TierLatency, TierStats
-from kvstore.util.threads import FenceClosed, WriteFence, in_thread
+from kvstore.util.threads import FenceClosed, WriteFence
 from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore.tier")
 T = TypeVar("T")
-INLINE_CHECK_BYTES = 8 << 20  # remote chunks up to this size are checksummed on the event loop
-OpenedChunk = tuple[ChunkHeader, ObjectFile | None, memoryview | None]  # header, open file, layer 0's stored bytes
-Guard = WriteFence | contextlib.nullcontext[None]  # held around each write into a chunk's destination
-UNGUARDED: Guard = contextlib.nullcontext()
 
 
 class ChunkTier:
@@ -66,25 +60,24 @@ class ChunkTier:
         parallel_reads: int = 2,
         cipher: ChunkCipher | None = None,
         parallel_writes: int = 2,
+        breaker: BreakerConfig | None = None,
     ):
+        """``breaker``: the circuit breaker's settings (the ``[breaker]`` section; default: its defaults)."""
         self.backend = backend
         self.parallel_reads = parallel_reads
         self.parallel_writes = parallel_writes
         self.codec = codec
         self.cipher = cipher
-        self._plain = codec.is_identity and cipher is None  # what we write is readable in place
         self.layout = layout
         self.name = backend.name
-        self.stats = TierStats()
-        self.latency = TierLatency()  # fed by KVStore, which times each operation it waits for
-        self.breaker = CircuitBreaker(self.name)  # the store replaces it with one configured from [breaker]
+        settings = (breaker or BreakerConfig()).model_dump()
+        # its breaker, failure counters, latency and operations in flight: see kvstore.storage.health
+        self.health = TierHealth(self.name, CircuitBreaker(self.name, **settings))
         # where encoding, decoding and checksums run (and a local backend's batches); a whole chunk's
         # encode or decode also spreads its layers over this pool's idle workers (container.layer_runs)
         self.executor = executor
         self._refuse_a_codec_for_other_values()
-        # exact unless the codec changed
-        self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
-        self._batch_layers = min(layout.num_layers, max(1, CHECK_HOT_BYTES // layout.layer_nbytes))
+        self._reads = ChunkReads(backend, layout, codec, cipher, executor)  # each object's bytes read and checked
 
     def _refuse_a_codec_for_other_values(self) -> None:
         """ConfigError, at start, for a codec that cannot encode this layout's values (e.g. fp8 on fp8 KV).
@@ -105,7 +98,7 @@ class ChunkTier:
 
     async def open(self) -> None:
         """Open the backend, after refusing a byte budget below one chunk (it would evict everything it holds)."""
-        capacity, chunk = self.backend.capacity_bytes, self.layout.chunk_nbytes
+        capacity, chunk = self.capacity_bytes, self.layout.chunk_nbytes
         if capacity is not None and capacity < chunk:
             raise ConfigError(
                 f"{self.name}.capacity = {capacity:,} bytes is below one chunk of {self.layout.describe()} "
@@ -118,14 +111,133 @@ class ChunkTier:
         await self.backend.close()
 
     @property
+    def capacity_bytes(self) -> int | None:
+        """The backend's byte budget; None where it has none (Redis, S3: their servers evict)."""
+        return self.backend.capacity_bytes
+
+    @property
     def is_local(self) -> bool:
         """Blocking file I/O on this machine (batched into thread calls), rather than network requests."""
         return self.backend.is_local
 
+    @property
+    def stats(self) -> TierStats:
+        """What the tier did (read-only for callers: the tier and its health write it)."""
+        return self.health.stats
+
+    @property
+    def latency(self) -> TierLatency:
+        """Seconds per guarded operation as its caller waited, and the throughput they delivered (the planner's)."""
+        return self.health.latency
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.health.breaker
+
+    # -- guarded: what the store, its loads and layer streams call (each admitted, bounded, timed, counted) ----
+
+    async def lookup(self, keys: list[ChunkKey], timeout: float, *, blame: bool = True) -> int:
+        """How many leading ``keys`` the tier holds, within ``timeout`` (else :class:`TierTimeout`, or
+        :class:`TierSkipped` while the breaker is open). ``blame`` as in :meth:`TierHealth.run`."""
+        return await self.health.run(
+            lambda attempt: self.prefix_count(keys, attempt), timeout, latency=self.latency.lookup, blame=blame
+        )
+
+    async def read(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[memoryview],
+        timeout: float,
+        *,
+        fences: Sequence[WriteFence] | None = None,
+        counted: bool = True,
+        on_end: Callable[[], None] | None = None,
+        blame: bool = True,
+        cancel_with_caller: bool = False,
+        lossy: list[CodecPipeline | None] | None = None,
+    ) -> list[bool]:
+        """:meth:`read_many_into` within ``timeout`` (else :class:`TierTimeout`); ``on_end`` once it has really ended.
+
+        The read may outlive a timeout (a thread reading a file): whatever memory it writes
+        must stay reserved until ``on_end``, or be fenced (``fences``, ``cancel_with_caller``).
+        A counted read feeds the tier's read latency and throughput (the load planner's).
+        """
+        found = await self.health.run(
+            lambda attempt: self.read_many_into(keys, outs, fences, counted, attempt, lossy),
+            timeout,
+            latency=self.latency.read if counted else None,
+            on_end=on_end,
+            blame=blame,
+            cancel_with_caller=cancel_with_caller,
+        )
+        if counted:
+            self.latency.read_chunks += sum(found)
+        return found
+
+    async def write(
+        self,
+        items: Sequence[tuple[ChunkKey, memoryview]],
+        timeout: float,
+        on_end: Callable[[], None] | None = None,
+        codecs: Sequence[CodecPipeline | None] | None = None,
+    ) -> list[BaseException | None]:
+        """:meth:`write_many` within ``timeout`` (else :class:`TierTimeout`); ``on_end`` once it has really ended."""
+        return await self.health.run(
+            lambda attempt: self.write_many(items, attempt, codecs),
+            timeout,
+            latency=self.latency.write,
+            on_end=on_end,
+            writes=len(items),
+        )
+
+    async def open_layers(self, keys: Sequence[ChunkKey], timeout: float | None) -> list[LayerReader | None]:
+        """:meth:`open_layers_many` within ``timeout`` (None: unbounded, for files opened in one thread call
+        that must not be cancelled midway); cancelled with its caller, which then owns no reader."""
+        return await self.health.run(lambda attempt: self.open_layers_many(keys, attempt), timeout, detached=False)
+
+    async def guarded(self, operation: Callable[[Attempt], Awaitable[T]], timeout: float | None) -> T:
+        """Any other operation on the tier, awaited in place under its breaker and ``timeout`` (a layer's read)."""
+        return await self.health.run(operation, timeout, detached=False)
+
+    # -- what layer readers use (kvstore.storage.layer_reader.ReaderTier) ------------------------------
+
+    @property
+    def range_request_bytes(self) -> int:
+        return self.backend.range_request_bytes
+
+    async def read_range(self, key: ChunkKey, start: int, stop: int) -> bytes | None:
+        """Bytes ``[start, stop)`` of ``key``'s object (None if absent), timed: the load planner's throughput of
+        the tier as layer streams read it (``latency.span``)."""
+        started = time.perf_counter()
+        data = await self.backend.get(key, (start, stop))
+        if data is not None:
+            self.latency.span.observe(time.perf_counter() - started)
+            self.latency.span_bytes += len(data)
+        return data
+
+    def count_read(self, nbytes: int) -> None:
+        self.stats.bytes_read += nbytes
+
+    def drop(self, chunks: int = 1) -> None:
+        """Count writes to this tier that were never made (its queue was full, or the store closed)."""
+        self.health.drop(chunks)
+
+    def cancel_operations(self) -> None:
+        """Ask every operation still running on the tier to stop (the store is closing)."""
+        self.health.cancel_all()
+
     # -- whole chunks ------------------------------------------------------------------------------
 
-    async def write_many(self, items: Sequence[tuple[ChunkKey, memoryview]]) -> list[BaseException | None]:
+    async def write_many(
+        self,
+        items: Sequence[tuple[ChunkKey, memoryview]],
+        attempt: Attempt = NOT_GUARDED,
+        codecs: Sequence[CodecPipeline | None] | None = None,
+    ) -> list[BaseException | None]:
         """Store several chunks; per chunk, the exception that stopped it or None (counted either way).
+
+        ``codecs[i]`` (where not None) encodes chunk ``i`` instead of the tier's codec: a promoted
+        chunk that was read lossy (:class:`LossyRead`) is written on in the codec it came in.
 
         A chunk the backend already holds is not written again (counted as skipped): its bytes
         never change under its key. A local backend writes the batch in ``parallel_writes``
@@ -134,9 +246,12 @@ class ChunkTier:
         Each file reserves its bytes in the backend's budget before it is written, so writers
         in parallel never take the tier past its capacity.
         """
+        chosen = codecs if codecs is not None else [None] * len(items)
         writes = [
-            ObjectWrite(key, partial(encode_chunk, self.layout, key, chunk, self.codec, self.cipher, self.executor))
-            for key, chunk in items
+            ObjectWrite(
+                key, partial(encode_chunk, self.layout, key, chunk, codec or self.codec, self.cipher, self.executor)
+            )
+            for (key, chunk), codec in zip(items, chosen, strict=True)
         ]
         if self.is_local and len(writes) > 1:
             slices = await asyncio.gather(
@@ -146,16 +261,15 @@ class ChunkTier:
         else:
             outcomes = await self.backend.write_many(writes, self.executor)
         results: list[BaseException | None] = []
-        for outcome in outcomes:
+        for (key, _), outcome in zip(items, outcomes, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
             if isinstance(outcome, BaseException):
+                what = f"write of {key[:16]}"
                 if timed_out(outcome):  # the client's own timeout (a socket's), under the batch's
-                    self.stats.timeouts += 1
-                else:
-                    self.stats.errors += 1
-                if unreachable(outcome):  # a refused write (out of memory, denied, full) leaves reads alone
-                    note_failure()
+                    self.health.timeout(attempt, what)
+                else:  # a refused write (out of memory, denied, full) leaves reads alone
+                    self.health.error(attempt, what, outcome, tier_fault=unreachable(outcome))
                 results.append(outcome)
                 continue
             if outcome is None:
@@ -172,8 +286,13 @@ class ChunkTier:
         outs: Sequence[memoryview],
         fences: Sequence[WriteFence] | None = None,
         counted: bool = True,
+        attempt: Attempt = NOT_GUARDED,
+        lossy: list[CodecPipeline | None] | None = None,
     ) -> list[bool]:
         """Fill each ``outs[i]`` with ``keys[i]``; per key, False on a miss of any kind (absent, corrupt, error).
+
+        ``lossy`` (a list as long as ``keys``): set to the codec of each chunk read that was stored
+        lossy, for its promotion (see :class:`LossyRead`).
 
         The batch goes to the backend in ``parallel_reads`` slices at once: a local backend reads
         each slice in one thread call (a thread hop costs ~0.1 ms here, a warm 5 MB chunk read ~0.4 ms).
@@ -188,17 +307,25 @@ class ChunkTier:
             raise ValueError(f"{self.name} tier: fenced reads are for local tiers (file reads in threads)")
         guards: Sequence[Guard] = fences if fences is not None else [UNGUARDED] * len(keys)
         reads = [
-            ObjectRead(key, partial(self._load_file, key, out, guard), partial(self._load_remote, key, out))
+            ObjectRead(key, partial(self._reads.load_file, key, out, guard), partial(self._reads.load_remote, key, out))
             for key, out, guard in zip(keys, outs, guards, strict=True)
         ]
         slices = await asyncio.gather(
             *(self.backend.read_many(part, self.executor) for part in _split(reads, self.parallel_reads))
         )
         outcomes = [outcome for part in slices for outcome in part]
-        return [await self.account(key, outcome, counted) for key, outcome in zip(keys, outcomes, strict=True)]
+        if lossy is not None:
+            for i, outcome in enumerate(outcomes):
+                if isinstance(outcome, LossyRead):
+                    lossy[i] = outcome.codec
+        return [await self.account(key, outcome, counted, attempt) for key, outcome in zip(keys, outcomes, strict=True)]
 
-    async def account(self, key: ChunkKey, outcome: int | None | BaseException, counted: bool = True) -> bool:
+    async def account(
+        self, key: ChunkKey, outcome: ReadOutcome, counted: bool = True, attempt: Attempt = NOT_GUARDED
+    ) -> bool:
         """Count one read's outcome (bytes read, None for absent, or what it raised); True for a hit.
+
+        A hit on a chunk stored lossy (:class:`LossyRead`) is counted in ``lossy_reads`` too.
 
         A corrupt object is removed so it is not read again; a foreign one (written for another
         model layout, sealed under another encryption key, plain where this store encrypts, or
@@ -225,142 +352,33 @@ class ChunkTier:
         if isinstance(outcome, asyncio.CancelledError):
             raise outcome
         if not counted:
-            return isinstance(outcome, int)
+            return isinstance(outcome, (int, LossyRead))
         if isinstance(outcome, BaseException):  # I/O errors, a server gone: a miss, counted
-            self.stats.errors += 1
-            note_failure()  # the tier's fault, not the object's: its breaker counts it
-            log.warning("%s tier: read of %s failed: %r", self.name, key[:16], outcome)
+            self.health.error(attempt, f"read of {key[:16]}", outcome)  # the tier's fault, not the object's
             return False
         if outcome is None:
             self.stats.misses += 1
             return False
         self.stats.hits += 1
+        if isinstance(outcome, LossyRead):
+            self.stats.lossy_reads += 1
+            outcome = outcome.size
         self.stats.bytes_read += outcome
-        return True
-
-    # -- from a file: read and verify in one thread call, layer batch by layer batch ---------------
-
-    def _load_file(self, key: ChunkKey, out: memoryview, guard: Guard, file: ObjectFile) -> int:
-        """Read and verify the chunk in ``file`` into ``out`` (blocking); the file's size.
-
-        Every write into ``out`` (at most one layer batch, ~1 MiB, or one decoded layer) is made under ``guard``.
-        """
-        # One read for the header and, if the file is what we write, the first layer batch.
-        first_batch = out[: self._batch_layers * self.layout.layer_nbytes] if self._plain else out[:0]
-        header, batch_read = self._read_file_header(file, key, first_batch, guard)
-        if header.plain:
-            self._read_identity(file, header, out, self._batch_layers if batch_read else 0, guard)
-        else:
-            self._read_encoded(file, header, out, guard)
-        return file.size
-
-    def _read_file_header(
-        self, file: ObjectFile, key: ChunkKey, first_batch: memoryview, guard: Guard = UNGUARDED
-    ) -> tuple[ChunkHeader, bool]:
-        """The file's checked header, read together with ``first_batch`` (the bytes right after it).
-
-        The flag says whether ``first_batch`` now holds those bytes: only when the header had the
-        expected size (a file written with another codec or key has another header size).
-        """
-        head = memoryview(bytearray(self._header_guess))
-        with guard:
-            got = file.readinto([head, first_batch], 0)
-        needed = header_length(head[: min(got, len(head))])
-        if needed > len(head):
-            head = memoryview(bytearray(needed))
-            file.readinto([head], 0)
-        header = parse_header(head[:needed], self.layout, key, self.cipher)
-        if file.size != header.total_len:
-            raise ChunkFormatError(f"file is {file.size} bytes, header says {header.total_len}")
-        return header, needed == len(head) == self._header_guess and len(first_batch) > 0
-
-    def _read_identity(
-        self, file: ObjectFile, header: ChunkHeader, out: memoryview, already: int, guard: Guard
-    ) -> None:
-        """Stored bytes are the chunk's bytes: read them straight into ``out``, then check them hot.
-
-        ``already`` leading layers were read together with the header. Each batch is read and
-        checked under ``guard``: once the caller closes it, its buffer may hold the caller's new
-        bytes, which must never be checked as the file's (a false corruption would delete a good file).
-        """
-        step = self._require_layer_sized(header)
-        for first in range(0, self.layout.num_layers, self._batch_layers):
-            last = min(first + self._batch_layers, self.layout.num_layers)
-            with guard:
-                if first >= already:
-                    file.readinto([out[first * step : last * step]], header.header_len + first * step)
-                verify_segments(header.segments, out, range(first, last))
-
-    def _read_encoded(self, file: ObjectFile, header: ChunkHeader, out: memoryview, guard: Guard) -> None:
-        step = self.layout.layer_nbytes
-        scratch = memoryview(bytearray(max(segment.stored_len for segment in header.segments)))
-        for layer, segment in enumerate(header.segments):
-            stored = scratch[: segment.stored_len]
-            file.readinto([stored], header.header_len + segment.offset)
-            with guard:
-                decode_layer(header, self.layout, layer, stored, out[layer * step : (layer + 1) * step])
-
-    def _require_layer_sized(self, header: ChunkHeader) -> int:
-        """A plain chunk's payload is its layers in order, each one segment: the layer size."""
-        step = self.layout.layer_nbytes
-        if any(segment.stored_len != step for segment in header.segments):
-            raise ChunkFormatError("identity segments must be one layer long")
-        return step
-
-    # -- by requests: the body received in place when the chunk is plain, else decoded in a thread --
-
-    async def _load_remote(self, key: ChunkKey, out: memoryview) -> int | None:
-        if self._plain:
-            return await self._load_remote_plain(key, out)
-        return await self._load_whole(key, out)
-
-    async def _load_whole(self, key: ChunkKey, out: memoryview) -> int | None:
-        data = await self.backend.get(key)
-        if data is None:
-            return None
-        await in_thread(self.executor, decode_chunk, data, self.layout, key, out, self.cipher, self.executor)
-        return len(data)
-
-    async def _load_remote_plain(self, key: ChunkKey, out: memoryview) -> int | None:
-        """Stored bytes are the chunk's bytes: receive the payload straight into ``out``, then check it.
-
-        Saves a copy of the whole chunk (the backend scatters the body into the header buffer and
-        the slot); a header of unexpected size falls back to a plain get.
-        """
-        head = memoryview(bytearray(self._header_guess))
-        size = await self.backend.get_into(key, [head, out])
-        if size is None:
-            return None
-        if size == len(head) + len(out) and header_length(head) == len(head):
-            # Checksums only (xxh3 at ~20 GB/s): up to a few MiB, that is cheaper than the thread
-            # hop when several reads are in flight (measured: 0.7-0.8x -> 0.9-1.0x of raw Redis GET).
-            if len(out) <= INLINE_CHECK_BYTES:
-                plain = self._check_plain(key, head, out)
-            else:
-                plain = await in_thread(self.executor, self._check_plain, key, head, out)
-            if plain:
-                return size
-        return await self._load_whole(key, out)  # another writer's codec, or a damaged object
-
-    def _check_plain(self, key: ChunkKey, head: memoryview, out: memoryview) -> bool:
-        """Verify a payload received in place; False when the header says it is not plain after all."""
-        header = parse_header(head, self.layout, key, self.cipher)
-        if not header.plain or header.payload_len != len(out):
-            return False
-        self._require_layer_sized(header)
-        verify_segments(header.segments, out, range(len(header.segments)))
         return True
 
     # -- layer by layer ------------------------------------------------------------------------------
 
-    async def open_layers_many(self, keys: Sequence[ChunkKey]) -> list[LayerReader | None]:
+    async def open_layers_many(
+        self, keys: Sequence[ChunkKey], attempt: Attempt = NOT_GUARDED
+    ) -> list[LayerReader | None]:
         """The chunks opened for reads layer by layer (each header read and checked once); None where missed.
 
         None on a miss of any kind (absent, corrupt, foreign, an I/O error), counted as usual.
         Files are opened in one thread call and stay open in their readers; remote headers
         are read concurrently.
         """
-        reads = [ObjectRead(key, partial(self._open_file, key), partial(self._open_remote, key)) for key in keys]
+        opens = self._reads
+        reads = [ObjectRead(key, partial(opens.open_file, key), partial(opens.open_remote, key)) for key in keys]
         outcomes = await self.backend.open_many(reads, self.executor)
         readers: list[LayerReader | None] = [
             None if isinstance(outcome, BaseException) or outcome is None else LayerReader(self, key, *outcome)
@@ -369,61 +387,16 @@ class ChunkTier:
         try:  # the misses are counted (a corrupt one removed: an await) with every file already owned
             for key, outcome, reader in zip(keys, outcomes, readers, strict=True):
                 if reader is None:
-                    await self.account(key, outcome if isinstance(outcome, BaseException) else None)
+                    await self.account(key, outcome if isinstance(outcome, BaseException) else None, True, attempt)
                 else:
                     self.stats.hits += 1  # one per chunk opened; its layers add to bytes_read
+                    self.stats.lossy_reads += not reader.header.codec.lossless
         except BaseException:  # cancelled meanwhile: nobody will close these readers but us
             for opened in readers:
                 if opened is not None:
                     opened.close()
             raise
         return readers
-
-    def _open_file(self, key: ChunkKey, file: ObjectFile) -> OpenedChunk:
-        header, _ = self._read_file_header(file, key, memoryview(b""))
-        return header, file, None
-
-    async def _open_remote(self, key: ChunkKey) -> OpenedChunk | None:
-        """The checked header and, read in the same request, layer 0's stored bytes when they fit.
-
-        One round trip instead of two before the first layer (a range past the end is clipped;
-        the slack covers a sealed or incompressible segment's few extra bytes).
-        """
-        sized = await self.backend.get_sized(key, (0, self._header_guess + self.layout.layer_nbytes + 4096))
-        if sized is None:
-            return None
-        head, size = sized
-        needed = header_length(head)
-        if needed > len(head):
-            head = await self.backend.get(key, (0, needed))
-            if head is None:
-                return None
-        header = parse_header(memoryview(head)[:needed], self.layout, key, self.cipher)
-        if not await self._check_length(key, header, size):
-            return None
-        first = header.segments[0]
-        start = header.header_len + first.offset
-        if start + first.stored_len > len(head):
-            return header, None, None
-        return header, None, memoryview(head)[start : start + first.stored_len]
-
-    async def _check_length(self, key: ChunkKey, header: ChunkHeader, size: int | None) -> bool:
-        """True if the object is as long as its header says; False if it vanished meanwhile, else ChunkFormatError.
-
-        A stream reads only the segments the header points at, so bytes appended to an object
-        (or a tail cut off) would otherwise go unnoticed until, or past, the last layer. ``size``
-        is the object's size where the backend's request told it; else one small range read
-        across the header's end must find exactly one byte before it.
-        """
-        total = header.total_len
-        if size is None:
-            tail = await self.backend.get(key, (total - 1, total + 1))
-            if tail is None:
-                return False
-            size = total - 1 + len(tail)
-        if size != total:
-            raise ChunkFormatError(f"object is {size} bytes, header says {total}")
-        return True
 
     # -- the rest ------------------------------------------------------------------------------------
 
@@ -432,18 +405,15 @@ class ChunkTier:
         log.warning("%s tier: chunk %s is unusable (%s); removing it", self.name, key[:16], exc)
         try:
             await self.backend.delete(key)
-        except Exception as delete_error:
-            self.stats.errors += 1  # not a breaker failure: read-only credentials may refuse it forever
-            log.warning("%s tier: could not remove %s: %r", self.name, key[:16], delete_error)
+        except Exception as delete_error:  # not a breaker failure: read-only credentials may refuse it forever
+            self.health.error(NOT_GUARDED, f"removal of corrupt {key[:16]}", delete_error, tier_fault=False)
 
-    async def prefix_count(self, keys: list[ChunkKey]) -> int:
+    async def prefix_count(self, keys: list[ChunkKey], attempt: Attempt = NOT_GUARDED) -> int:
         """How many leading ``keys`` the backend holds (a failure counts as an error and answers 0)."""
         try:
             return await self.backend.prefix_count(keys)
         except Exception as exc:
-            self.stats.errors += 1
-            note_failure()  # the tier's fault, not the object's: its breaker counts it
-            log.warning("%s tier: lookup failed: %r", self.name, exc)
+            self.health.error(attempt, "lookup", exc)  # the tier's fault, not the object's: its breaker counts it
             return 0
 
     def stats_dict(self) -> dict[str, Any]:

@@ -5,14 +5,20 @@
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"kvstore_config": {"disk": {"path": "/nvme/kv"}}}}'
 
-Scheduler side: a new request's prompt is cut into chunks, their keys looked up in the store
-(without blocking the scheduler: it answers "ask again" until the lookup is back), and vLLM is
-told how many tokens beyond its own prefix cache will be loaded. Worker side: each load is a
-layer stream (``store.prefetch``) started before the forward pass; layer i is copied into the
-paged blocks when the attention of layer i asks for it, so later layers keep arriving while
-earlier ones compute. A prompt chunk whose tokens have all been computed is gathered layer by
-layer after each attention call and put into the store at the end of the step (a copy into
-kvstore's DRAM; disk, Redis and S3 follow in the background).
+This class is what vLLM loads (``kvstore.connectors.vllm.connector:KVStoreConnector``, re-exported
+by the package): it reads the engine's configuration, holds the store and forwards vLLM's calls to
+the parts that do the work, one module each:
+
+- scheduler side (:mod:`~kvstore.connectors.vllm.scheduler`): a new request's prompt is cut into
+  chunks, their keys looked up in the store (without blocking the scheduler: it answers "ask
+  again" until the lookup is back), and vLLM is told how many tokens beyond its own prefix cache
+  will be loaded; each step's metadata names the loads and saves for the workers;
+- worker side, loads: each load is a layer stream (``store.prefetch``) started before the forward
+  pass; layer i is copied into the paged blocks when the attention of layer i asks for it, so
+  later layers keep arriving while earlier ones compute (:mod:`~kvstore.connectors.vllm.layer_loads`);
+- worker side, saves: a prompt chunk whose tokens have all been computed is gathered layer by
+  layer after each attention call and put into the store at the end of the step (a copy into
+  kvstore's DRAM; disk, Redis and S3 follow in the background; :mod:`~kvstore.connectors.vllm.saves`).
 
 A chunk that cannot be loaded (corrupt, vanished, a tier timing out) is reported through
 ``get_block_ids_with_load_errors``: vLLM recomputes those tokens instead of using bad blocks.
@@ -31,11 +37,8 @@ one TP degree is reused at any other.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +52,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvstore.connectors.attention_groups import loaded_blocks, saved_blocks
 from kvstore.connectors.identity import require_one_namespace
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer
 from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
@@ -58,20 +60,18 @@ from kvstore.connectors.vllm.engine_config import (
     engine_layer,
     expected_paged_format,
     layout_for_vllm,
-    request_extra,
     warn_of_another_compute_path,
 )
 from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
+from kvstore.connectors.vllm.saves import ChunkSaves
+from kvstore.connectors.vllm.scheduler import ConnectorScheduler
 from kvstore.connectors.vllm.stats import KVStorePromMetrics, StatsReport
-from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.step_metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
-from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner, PrefillClock
-from kvstore.engine.store import KVStore
+from kvstore.engine.planner import PrefillClock
 from kvstore.engine.sync import SyncKVStore
-from kvstore.engine.transfer import Completion, ready_on_current_stream
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import ChunkKey
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,31 +84,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvstore.connectors.vllm")
-SPARE_CHUNKS = 8  # staging buffers kept between steps (a long prefill step may need more, briefly)
-
-
-async def _put_all(
-    store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]], ready: Completion | None = None
-) -> list[bool]:
-    """One ``put_many``: chunks on a GPU cross the bus as one batch, after ``ready`` (the engine's stream)."""
-    return await store.put_many([key for key, _ in chunks], [chunk for _, chunk in chunks], ready=ready)
-
-
-@dataclass
-class _Request:
-    """Scheduler-side state of one request."""
-
-    keys: list[ChunkKey]  # one per full chunk of the prompt
-    prompt_tokens: int
-    lookup: concurrent.futures.Future[LoadPlan] | None = None
-    plan: LoadPlan | None = None  # where the store holds the leading chunks, once the lookup is back
-    decided: bool = False  # its chunks left to recompute are counted (once)
-    local_tokens: int = 0  # what vLLM's own prefix cache had, as last told
-    next_save: int = 0  # chunks before this one are in the store or queued for it
-    block_ids: list[list[int]] = field(default_factory=list)  # the block table of each vLLM KV cache group
-    load: LoadSpec | None = None  # to send to the worker with the next step
-    loading: tuple[int, LoadSpec] | None = None  # (first chunk, spec) of the load planned
-    load_failed: bool = False  # a whole-prefix load failed: the request is recomputed, not loaded again
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -172,28 +147,27 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             "unsaveable_chunks": 0,  # a sliding-window group no longer held a chunk's blocks: not saved
             "recomputed_chunks": 0,  # scheduler: stored chunks the load planner found faster to compute
         }
-        # scheduler side
-        self._requests: dict[str, _Request] = {}
-        self._unsent_loads: list[LoadSpec] = []  # whole-prefix loads for the next step's metadata
-        # Chunks this scheduler had the worker put into its DRAM tier, newest last: the worker may
-        # be another process, whose DRAM the scheduler's lookups cannot see.
-        self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
-        self._saved_limit = max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes)
         # The prefill rate, timed from this scheduler's steps: only when a step's scheduling follows
         # the one before it having run (with async scheduling, vLLM's GPU default, the next step is
         # scheduled as the last is submitted: no time between them to measure). Else pin it:
         # planner.prefill_tokens_per_s.
         timed = self.store is not None and not vllm_config.scheduler_config.async_scheduling
-        self._prefill_clock = PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens)
+        self._scheduler = ConnectorScheduler(
+            held_store=self._held_store,
+            groups=self.groups,
+            chunk_tokens=self.chunk_tokens,
+            hybrid=self.hybrid,
+            saved_limit=max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes),
+            prefill_clock=PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens),
+            identity=self.identity(),
+            counters=self.counters,
+        )
         # worker side
         self._scheduler_counters: dict[str, int] = {}  # as of the last step's metadata
         self._identity_checked = False  # the scheduler's identity is checked against ours once, at the first step
         self.attention = ""  # the attention backend (and CPU kernels) of the registered layers
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
-        # key -> (block ids of each group, chunk)
-        self._staging: dict[ChunkKey, tuple[list[torch.Tensor], torch.Tensor]] = {}
-        self._spare_chunks: list[torch.Tensor] = []  # staging buffers, reused: fresh ones pay page faults
         # How long a layer may take to come: every tier's get, and some (the reading rank's streams only).
         tiers = len(self.store.store.tiers) if self.store is not None else 0
         wait_timeout = (tiers + 2) * options.config.timeouts.get
@@ -204,208 +178,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._whole_loads = WholeChunkLoads(
             self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters
         )
+        self._saves = ChunkSaves(self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters)
         self._report = StatsReport()  # what vLLM's /metrics shows (stats.py)
 
     # -- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            tokens = list(request.prompt_token_ids or [])  # none for prompt embeddings: nothing to key
-            keys = self._held_store().chunk_keys(tokens, request_extra(request))
-            state = _Request(keys=keys, prompt_tokens=len(tokens))
-            self._requests[request.request_id] = state
-        state.local_tokens = num_computed_tokens
-        if state.load_failed:
-            return 0, False  # its load failed: vLLM computes the prompt (and it is saved again)
-        if state.lookup is None and state.keys:
-            # Every full chunk, even one vLLM has itself: the answer also tells what not to save again.
-            self.counters["lookups"] += 1
-            state.lookup = self._lookup(state.keys)
-        # At least one prompt token must be computed: it yields the first output token.
-        usable = min(len(state.keys), (state.prompt_tokens - 1) // self.chunk_tokens)
-        if usable * self.chunk_tokens <= num_computed_tokens:
-            return 0, False  # nothing to load beyond vLLM's own cache (the lookup goes on, for saves)
-        plan = self._found(state)
-        if plan is None:
-            return None, False  # vLLM asks again next step; the scheduler never waits on I/O
-        # Only what vLLM lacks is loaded: the plan weighs the held chunks from its first missing one.
-        start, held = num_computed_tokens // self.chunk_tokens, min(plan.held, usable)
-        load = start + self._planner().plan(plan.tiers[start:held]).load if held > start else 0
-        if not state.decided:
-            state.decided = True
-            self.counters["recomputed_chunks"] += max(0, held - max(load, start))
-        state.next_save = min(state.next_save, max(load, start))  # what it recomputes is saved again
-        matched = load * self.chunk_tokens
-        # Hybrid models load whole prefixes asynchronously (vLLM takes their failures per request).
-        return max(0, matched - num_computed_tokens), self.hybrid and matched > num_computed_tokens
-
-    def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[LoadPlan]:
-        """The plan for ``keys``: those just saved to the worker's DRAM, then where the store holds the rest.
-
-        The store's load planner (:mod:`kvstore.engine.planner`) says how many leading chunks are
-        worth loading rather than recomputing, with the prefill rate this scheduler measures.
-        """
-        recent = 0
-        while recent < len(keys) and keys[recent] in self._saved:
-            recent += 1
-        planner = self._planner()
-        total: concurrent.futures.Future[LoadPlan] = concurrent.futures.Future()
-        if recent == len(keys):
-            total.set_result(planner.plan([DRAM] * recent))
-            return total
-
-        def add_recent(rest: concurrent.futures.Future[LoadPlan]) -> None:
-            if rest.exception() is not None:
-                total.set_exception(rest.exception())  # type: ignore[arg-type]
-            else:  # the tiers matter (get_num_new_matched_tokens plans what vLLM lacks), not this load
-                total.set_result(planner.plan([DRAM] * recent + list(rest.result().tiers)))
-
-        self._held_store().plan_future(keys[recent:]).add_done_callback(add_recent)
-        return total
-
-    def _found(self, state: _Request) -> LoadPlan | None:
-        """The lookup's plan (None while it is out); a failed lookup is a miss."""
-        if state.plan is None and state.lookup is not None and state.lookup.done():
-            try:
-                state.plan = state.lookup.result()
-            except Exception as exc:
-                self.counters["lookup_errors"] += 1
-                log.warning("kvstore lookup failed (the prompt is computed instead): %r", exc)
-                state.plan = LoadPlan((), 0, 0.0, 0.0)
-            state.next_save = max(state.next_save, state.plan.held)  # held chunks are not saved again
-        return state.plan
-
-    def _planner(self) -> LoadPlanner:
-        return self._held_store().store.planner
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        state = self._requests.get(request.request_id)
-        if state is None or num_external_tokens <= 0:
-            return
-        start, end = state.local_tokens, state.local_tokens + num_external_tokens
-        first_chunk = start // self.chunk_tokens
-        tables = blocks.get_block_ids()
-        runs: list[BlockRun] = []
-        for group in self.groups:
-            try:  # which of the group's blocks the load fills: all from ``start``, or those in the window
-                first, block_ids = loaded_blocks(group, list(tables[group.index]), start, end)
-            except ValueError as exc:  # vLLM allocated what kvstore cannot account for: fail, never guess
-                log.warning("kvstore: request %s's load is failed: %s", request.request_id, exc)
-                held = tables[group.index][start // group.block_size : end // group.block_size]
-                first, block_ids = start, [block for block in held if block]
-                state.load_failed = True  # the worker fails the load (no keys), reporting these blocks
-            runs.append(BlockRun(first - first_chunk * self.chunk_tokens, block_ids))
-        state.load = LoadSpec(
-            req_id=request.request_id,
-            keys=[] if state.load_failed else state.keys[first_chunk : end // self.chunk_tokens],
-            runs=runs,
-            tokens=num_external_tokens,
-        )
-        state.loading = (first_chunk, state.load)
-        if self.hybrid:  # asynchronous: sent with the next step, which does not schedule the request
-            self._unsent_loads.append(state.load)
-            state.load = None
-        self.counters["hit_tokens"] += num_external_tokens
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        self._prefill_clock.step(scheduler_output.total_num_scheduled_tokens)
-        meta = KVStoreConnectorMetadata(loads=self._unsent_loads)
-        self._unsent_loads = []
-        progress: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, and after it)
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids = [list(table) for table in new.block_ids]
-            if state.load is not None:
-                meta.loads.append(state.load)
-                state.load = None
-            scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
-            progress.append((new.req_id, new.num_computed_tokens, new.num_computed_tokens + scheduled))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = [list(table) for table in new_blocks] if new_blocks is not None else []
-            elif new_blocks is not None:
-                if len(state.block_ids) != len(new_blocks):  # resumed without blocks before: tables start empty
-                    state.block_ids = [[] for _ in new_blocks]
-                for table, added in zip(state.block_ids, new_blocks, strict=True):
-                    table.extend(added)
-            computed = cached.num_computed_tokens[i]
-            progress.append((req_id, computed, computed + scheduler_output.num_scheduled_tokens[req_id]))
-        # A chunk already sent for saving (by this step's or an earlier step's request with the same
-        # prefix, e.g. n > 1 sampling, or a twin request whose lookup answered a step later) is not
-        # saved again: ``_saved`` holds every key emitted until a failed load takes it out.
-        for req_id, before, after in progress:
-            state = self._requests[req_id]
-            self._found(state)  # chunks the store already holds are not saved again
-            done = min(after, state.prompt_tokens) // self.chunk_tokens
-            for chunk in range(state.next_save, done):
-                if state.keys[chunk] in self._saved:
-                    continue
-                runs = self._saved_runs(state, chunk, before)
-                if runs is None:
-                    self.counters["unsaveable_chunks"] += 1
-                    continue
-                meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
-                self._saved[state.keys[chunk]] = None
-                self._saved.move_to_end(state.keys[chunk])
-                if len(self._saved) > self._saved_limit:
-                    self._saved.popitem(last=False)
-            state.next_save = max(state.next_save, done)
-        for req_id in scheduler_output.finished_req_ids:
-            self._requests.pop(req_id, None)
-        meta.scheduler_counters = dict(self.counters)
-        meta.identity = self.identity()
-        return meta
-
-    def _saved_runs(self, state: _Request, chunk: int, computed_tokens: int) -> list[BlockRun] | None:
-        """Each group's blocks of ``chunk`` (see :func:`saved_blocks`), or None if a group no longer has them all."""
-        runs: list[BlockRun] = []
-        for group in self.groups:
-            if group.index >= len(state.block_ids):
-                return None
-            held = saved_blocks(group, state.block_ids[group.index], chunk, self.chunk_tokens, computed_tokens)
-            if held is None:
-                return None
-            runs.append(BlockRun(*held))
-        return runs
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """A load that failed is recomputed by vLLM: its chunks are saved again once they are."""
-        failed_requests = getattr(connector_output, "failed_recving", None) or set()
-        for req_id in failed_requests:  # a whole-prefix (hybrid) load: the request is recomputed whole
-            state = self._requests.get(req_id)
-            if state is not None and state.loading is not None:
-                self._recompute_from(state, state.loading[0])
-                state.load_failed = True
-        failed = connector_output.invalid_block_ids
-        if not failed:
-            return
-        for state in self._requests.values():
-            if state.loading is None:
-                continue
-            first_chunk, spec = state.loading
-            run = spec.runs[0]  # block-level failures come from one-group models only
-            bad = [i for i, block in enumerate(run.block_ids) if block in failed]
-            if bad:  # from the first failed block's chunk on: recomputed, to be saved again
-                first_bad_row = run.first_row + bad[0] * self.block_size
-                self._recompute_from(state, first_chunk + first_bad_row // self.chunk_tokens)
-
-    def _recompute_from(self, state: _Request, chunk: int) -> None:
-        """vLLM recomputes ``state``'s chunks from ``chunk`` on: save them again once it has."""
-        state.next_save = min(state.next_save, chunk)
-        for key in state.keys[chunk:]:
-            self._saved.pop(key, None)  # gone from the worker's DRAM, or bad: ask the store next time
-        state.loading = None
+        self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        self._scheduler.request_finished(request.request_id)
         return False, None  # saves are copied into kvstore's DRAM within the step: blocks may be freed
 
     def request_finished_all_groups(
@@ -474,31 +266,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        layer, group = self._layers[index], self._layer_groups[index]
-        for spec in meta.saves:
-            staged = self._staging.get(spec.key)
-            if staged is None:
-                chunk = self._spare_chunks.pop() if self._spare_chunks else self._new_chunk()
-                tables = [torch.tensor(run.block_ids, dtype=torch.long) for run in spec.runs]
-                staged = self._staging[spec.key] = (tables, chunk)
-            tables, chunk = staged
-            first_row = spec.runs[group].first_row
-            if first_row:  # rows no window reaches (see attention_groups.py): zeros, not a reused buffer's rows
-                chunk[index, :, :first_row].zero_()
-            layer.gather(tables[group], chunk[index, :, first_row:])
-
-    def _new_chunk(self) -> torch.Tensor:
-        """A staging buffer for this rank's heads of one chunk (all heads without tensor parallelism).
-
-        On the GPU cache's device when there is one and no tensor parallelism (whose ranks send their heads
-        over CPU tensors): the gather stays on the device and ``put`` copies the chunk out asynchronously
-        (kvstore.engine.transfer). Such a buffer is not kept for reuse: torch's allocator hands its memory
-        out again only once that copy has read it.
-        """
-        layers, planes, tokens, heads, head_dim = self.layout.chunk_shape
-        shape = (layers, planes, tokens, self.ranks.head_count(heads), head_dim)
-        device = self._layers[0].device if self._layers and self.ranks.size == 1 else torch.device("cpu")
-        return torch.empty(shape, dtype=self.layout.dtype, device=device if device.type == "cuda" else "cpu")
+        self._saves.gather_layer(meta.saves, index)
 
     def wait_for_save(self) -> None:
         self._layer_loads.end_step()
@@ -506,34 +274,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        # Chunks no attention layer ran for this step (nothing computed for them) are not in staging.
-        chunks = [(spec.key, self._staging[spec.key][1]) for spec in meta.saves if spec.key in self._staging]
-        staged = chunks
-        if chunks and self.ranks.size > 1:  # every rank's heads to the first rank, which puts whole chunks
-            chunks = self._gather_chunks(chunks)
-        if chunks:
-            try:  # one hop to kvstore's loop for all of them; each put copies into its DRAM tier
-                assert self.store is not None  # chunks to put are on the reading rank only
-                ready = ready_on_current_stream(chunks[0][1].device)  # the gathers queued on this thread's stream
-                saved = self.store.submit(_put_all(self.store.store, chunks, ready)).result()
-            except Exception as exc:  # a save is best effort: a missed one is a future cache miss
-                log.warning("kvstore: saving %d chunks failed: %r", len(chunks), exc)
-                saved = [False] * len(chunks)
-            self.counters["saved_chunks"] += sum(saved)
-            self.counters["save_rejected"] += len(chunks) - sum(saved)
-        # The staging buffers are free again (put copied them): keep a few for the next steps (each once).
-        spare = {id(chunk): chunk for _, chunk in staged if chunk.device.type == "cpu"}
-        self._spare_chunks.extend(list(spare.values())[: max(0, SPARE_CHUNKS - len(self._spare_chunks))])
-        self._staging.clear()
-
-    def _gather_chunks(self, staged: list[tuple[ChunkKey, torch.Tensor]]) -> list[tuple[ChunkKey, torch.Tensor]]:
-        """Tensor parallelism: the whole chunks on the reading rank (every rank sends its heads); none elsewhere."""
-        local = torch.stack([chunk for _, chunk in staged])
-        full = None
-        if self.store is not None:
-            full = torch.empty((len(staged), *self.layout.chunk_shape), dtype=self.layout.dtype)
-        self.ranks.gather_heads(local, full)
-        return [] if full is None else [(key, full[i]) for i, (key, _) in enumerate(staged)]
+        self._saves.put(meta.saves)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Whole-prefix (hybrid) loads that are done: copied into their blocks, or failed (vLLM recomputes)."""
@@ -592,6 +333,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         self._layer_loads.close()
         self._whole_loads.close()
+        self._saves.close()
         store, self.store = self.store, None
         if store is not None:
             shared_stores.release(store)

@@ -1,7 +1,8 @@
 """What the connector reads from vLLM's configuration, layers and requests: layout, paged format, keys' extras.
 
-Apart from :mod:`kvstore.connectors.vllm.connector` (which keeps the connector's own state
-machine) so that each stays short; both sides of the connector call these at start.
+Apart from :mod:`kvstore.connectors.vllm.connector` (the connector's own state lives there and in
+:mod:`~kvstore.connectors.vllm.scheduler`) so that each stays short; both sides of the connector
+call these at start.
 """
 
 from __future__ import annotations
