@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from kvstore.backends.base import Backend
-from kvstore.backends.disk import STALE_TMP_SECONDS, DiskBackend
+from kvstore.backends.disk import DiskBackend
+from kvstore.backends.temporaries import STALE_TMP_SECONDS
 from kvstore.codecs import BytesBytesCodec, CodecRegistry, SegmentSpec, make_codec
 from kvstore.codecs import registry as codec_registry
 from kvstore.engine.dram import SlabPool

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig, chunk_keys
-from kvstore.backends.disk import TMP_MARK, DiskBackend
+from kvstore.backends.disk import DiskBackend
 from kvstore.backends.files import FileReader
+from kvstore.backends.temporaries import TMP_MARK
 from kvstore.codecs import make_codec
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import encode_chunk

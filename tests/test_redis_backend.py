@@ -22,7 +22,8 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstore.backends.redis import RedisBackend, mask_url
+from kvstore.backends.redis import RedisBackend
+from kvstore.backends.redis_connection import mask_url
 from kvstore.devtools.servers import RedisClusterServer, RedisServer
 from kvstore.testing import listed_keys
 from kvstore.util.buffers import Buffer

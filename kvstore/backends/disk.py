@@ -1,8 +1,8 @@
 """Local disk (NVMe) tier: one file per chunk, atomic, private, bounded, and restart-proof.
 
-- Files live at ``root/<namespace>/ab/cd/<key>.kvc``: the namespace directory
-  (:func:`kvstore.keys.namespace_dir`) lets ``kvstore gc`` and ``ls`` work per model, and two
-  levels of 256 directories keep listings small.
+- Files live at ``root/<namespace>/ab/cd/<key>.kvc`` (:mod:`kvstore.backends.disk_paths`): the
+  namespace directory lets ``kvstore gc`` and ``ls`` work per model, and two levels of 256
+  directories keep listings small.
 - The byte budget covers this store's namespace only: another model's files in the same
   directory are its own store's to keep or evict (or ``kvstore gc``'s), never this one's. They
   are counted at start and named in the log, left alone.
@@ -17,6 +17,12 @@
   its size in old files and tries once more.
 - Another process's files are found on the file system even when this index lacks them;
   files it deletes become misses here. The filesystem is the truth, the index a cache of it.
+
+The tier in modules: here, :class:`DiskBackend` (its reads, writes, batch hooks and the scan at
+start that rebuilds the index); the byte budget and its index (:mod:`kvstore.backends.disk_budget`);
+file naming (:mod:`kvstore.backends.disk_paths`); plain file I/O (:mod:`kvstore.backends.files`);
+temporary names (:mod:`kvstore.backends.temporaries`); and the operator's side, listing every
+namespace and removing what is unchanged (:mod:`kvstore.backends.disk_maintenance`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from functools import partial
 from pathlib import Path
@@ -43,16 +48,10 @@ from kvstore.backends.base import (
     each_caught,
 )
 from kvstore.backends.disk_budget import FileBudget
+from kvstore.backends.disk_maintenance import DiskMaintenance
+from kvstore.backends.disk_paths import chunk_key_of, relative_path
 from kvstore.backends.files import FileReader, make_private_dirs, unlink_quietly, walk_files, write_fully
-from kvstore.backends.maintenance import LIST_PAGE, RemoveReport, StoredObject, pages
-from kvstore.backends.temporaries import (  # re-exported: the tools and tests name them here
-    STALE_TMP_SECONDS as STALE_TMP_SECONDS,
-)
-from kvstore.backends.temporaries import (
-    TMP_MARK,
-    temporary_name,
-    temporary_state,
-)
+from kvstore.backends.temporaries import temporary_name, temporary_state
 from kvstore.errors import ConfigError
 from kvstore.eviction import DEFAULT_EVICTION, EvictionName
 from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
@@ -62,12 +61,10 @@ from kvstore.util.threads import in_thread, in_thread_or_discard
 log = logging.getLogger("kvstore.disk")
 T = TypeVar("T")
 
-SUFFIX = ".kvc"
-_KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
 MTIME_REFRESH_SECONDS = 10.0
 
 
-class DiskBackend(Backend):
+class DiskBackend(DiskMaintenance, Backend):
     """Chunk files under one root directory (see the module docstring).
 
     Its batch hooks run a whole batch in one thread call: a chunk's encode, checksums and one
@@ -78,7 +75,6 @@ class DiskBackend(Backend):
 
     name = "disk"
     is_local = True
-    age_basis = "last access"  # a hit refreshes the file's mtime (at most every MTIME_REFRESH_SECONDS)
 
     def __init__(
         self,
@@ -112,9 +108,7 @@ class DiskBackend(Backend):
 
     def _relative(self, key: str, namespace: str | None = None) -> str:
         """The file's path below the root: its name in the LRU index."""
-        if not _KEY_PATTERN.fullmatch(key):
-            raise ValueError(f"disk keys are 8-128 lowercase hex characters, got {key!r}")
-        return f"{namespace or self.namespace}/{key[:2]}/{key[2:4]}/{key}{SUFFIX}"
+        return relative_path(key, namespace or self.namespace)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -144,12 +138,13 @@ class DiskBackend(Backend):
                 if temporary != "fresh":  # stale, or its writer was killed
                     unlink_quietly(path)
                 continue
-            if not (name.endswith(SUFFIX) and _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)])):
+            key = chunk_key_of(name)
+            if key is None:
                 continue
             if namespace != self.namespace:
                 others, others_bytes = others + 1, others_bytes + stat.st_size
                 continue
-            found.append((stat.st_mtime, self._relative(name[: -len(SUFFIX)], namespace), stat.st_size))
+            found.append((stat.st_mtime, self._relative(key, namespace), stat.st_size))
         found.sort()
         self._budget.load((relative, size) for _, relative, size in found)
         log.info(
@@ -394,83 +389,6 @@ class DiskBackend(Backend):
         elif opened is not None:
             opened.append(file)
         return result
-
-    # -- for the operator's tools: every namespace ----------------------------------------------
-
-    async def scan(self, namespaces: Callable[[str], bool] | None = None) -> AsyncIterator[list[StoredObject]]:
-        found = await in_thread(self._executor, walk_files, self.root, namespaces)
-        page: list[StoredObject] = []
-        for namespace, path, stat in found:
-            name = path.name
-            if TMP_MARK in name or not name.endswith(SUFFIX) or not _KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
-                continue
-            version = (stat.st_ino, stat.st_mtime_ns)
-            page.append(StoredObject(namespace, name[: -len(SUFFIX)], stat.st_size, stat.st_mtime, version))
-            if len(page) == LIST_PAGE:
-                yield page
-                page = []
-        if page:
-            yield page
-
-    async def read_object(self, item: StoredObject) -> bytes | None:
-        def read() -> bytes | None:
-            try:
-                with open(f"{self._root_text}/{self._relative(item.key, item.namespace)}", "rb", buffering=0) as file:
-                    return file.read()
-            except FileNotFoundError:
-                return None
-
-        return await in_thread(self._executor, read)
-
-    async def read_head(self, item: StoredObject, size: int) -> bytes | None:
-        def read() -> bytes | None:
-            try:
-                with open(f"{self._root_text}/{self._relative(item.key, item.namespace)}", "rb", buffering=0) as file:
-                    return file.read(size)
-            except FileNotFoundError:
-                return None
-
-        return await in_thread(self._executor, read)
-
-    async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
-        for batch in pages(items):
-            yield await in_thread(self._executor, self._remove_batch, batch)
-
-    def _remove_batch(self, items: Sequence[StoredObject]) -> RemoveReport:
-        """Each file is first renamed aside, atomically, then checked: exact even against a racing writer.
-
-        A check before a plain unlink would leave a window in which a fresh file could be renamed
-        into place and then deleted. A file that turns out changed is linked back, unless an even
-        newer one has arrived meanwhile (a key's bytes never change, so either will do).
-        """
-        report = RemoveReport()
-        for item in items:
-            path = f"{self._root_text}/{self._relative(item.key, item.namespace)}"
-            aside = temporary_name(path, "gc-")
-            try:
-                os.rename(path, aside)
-            except FileNotFoundError:
-                report.gone += 1
-                continue
-            except OSError as exc:
-                report.errors.append(f"{path}: {exc.strerror}")
-                continue
-            try:
-                stat = os.stat(aside)
-                if (stat.st_ino, stat.st_mtime_ns) == item.version:
-                    os.unlink(aside)
-                    report.removed += 1
-                    report.removed_bytes += stat.st_size
-                    continue
-                report.changed += 1
-                try:
-                    os.link(aside, path)
-                except FileExistsError:
-                    pass
-                os.unlink(aside)
-            except OSError as exc:
-                report.errors.append(f"{path}: {exc.strerror}")
-        return report
 
     # -- index and budget (kept by FileBudget) --------------------------------------------------
 

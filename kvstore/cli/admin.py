@@ -344,7 +344,7 @@ def print_sweep(sweep: inventory.TemporarySweep | None) -> None:
     """What became of the disk tier's temporary files (nothing is printed when there were none)."""
     if sweep is None:
         return
-    from kvstore.backends.disk import STALE_TMP_SECONDS
+    from kvstore.backends.temporaries import STALE_TMP_SECONDS
 
     minutes = f"{STALE_TMP_SECONDS / 60:.0f} min"
     done = "removed" if sweep.removed else "dry run: would remove"

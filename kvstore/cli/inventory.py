@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
-from kvstore.backends.disk import DiskBackend, temporary_state
+from kvstore.backends.disk import DiskBackend
 from kvstore.backends.files import unlink_quietly, walk_files
 from kvstore.backends.registry import (
     BackendSpec,
@@ -30,6 +30,7 @@ from kvstore.backends.registry import (
     backend_sections,
     default_endpoint,
 )
+from kvstore.backends.temporaries import temporary_state
 from kvstore.cli.console import TierUnreachable
 from kvstore.config import StoreConfig
 from kvstore.errors import BucketMissing, ChunkFormatError, ConfigError

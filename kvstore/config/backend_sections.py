@@ -46,48 +46,24 @@ def _check_lossy(name: str, codec: str, allow_lossy: bool) -> None:
         )
 
 
-class DiskConfig(Section):
-    section: ClassVar[str] = "disk"
-    enabled: bool = Field(True, description="keep chunks in local files (survives restarts); false: no disk tier")
-    path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
-    capacity: Capacity = Field(
-        ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; disk.eviction picks the files that go"
-    )
-    codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'byteplanes'")
-    allow_lossy: bool = Field(False, description=LOSSY_HELP)
-    fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
-    eviction: EvictionName = Field(
-        "lru",
-        description="which file a full budget drops: 'lru' (least recently used), or the scan-resistant "
-        "'s3fifo' or 'arc' (see the eviction page)",
-    )
+# -- what every backend's section has; the built-in ones below -------------------------------------
 
-    @field_validator("codec")
-    @classmethod
-    def _valid_codec(cls, value: str) -> str:
-        make_codec(value)  # raises ValueError listing the valid stages
-        return value
-
-    @field_validator("path")
-    @classmethod
-    def _expand_home(cls, value: Path) -> Path:
-        return value.expanduser()
-
-    @model_validator(mode="after")
-    def _lossy_only_when_allowed(self) -> DiskConfig:
-        _check_lossy(self.section, self.codec, self.allow_lossy)
-        return self
+BACKEND_ENTRY_POINTS = "kvstore.backends"
+BUILTIN_BACKENDS = ("disk", "redis", "s3")  # sections of StoreConfig's own; another backend's comes with it
+BACKEND_NAME = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")  # a TOML table and a KVSTORE_<NAME>__<KEY> prefix
 
 
-class RemoteSection(Section):
-    section: ClassVar[str]  # the TOML table, for error messages
+class BackendSection(Section):
+    """The settings every backend's section has; a backend's own section subclasses it and adds its own.
+
+    ``section`` is the backend's name: its TOML table (``[name]``) and its environment variables'
+    prefix (``KVSTORE_NAME__KEY``).
+    """
+
+    section: ClassVar[str] = ""
     enabled: bool = Field(False, description="turn this tier on (its settings below then apply)")
-    prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
-    codec: str = Field(
-        DEFAULT_REMOTE_CODEC, description="codec pipeline at this boundary, e.g. 'byteplanes' or 'fp8+zstd'"
-    )
+    codec: str = Field(DEFAULT_REMOTE_CODEC, description="codec pipeline at this boundary, e.g. 'identity' or 'zstd'")
     allow_lossy: bool = Field(False, description=LOSSY_HELP)
-    connect_timeout: Duration = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
 
     @field_validator("codec")
     @classmethod
@@ -96,9 +72,40 @@ class RemoteSection(Section):
         return value
 
     @model_validator(mode="after")
-    def _lossy_only_when_allowed(self) -> RemoteSection:
-        _check_lossy(self.section, self.codec, self.allow_lossy)
+    def _lossy_only_when_allowed(self) -> BackendSection:
+        _check_lossy(self.section or "backend", self.codec, self.allow_lossy)
         return self
+
+
+class DiskConfig(BackendSection):
+    section: ClassVar[str] = "disk"
+    enabled: bool = Field(True, description="keep chunks in local files (survives restarts); false: no disk tier")
+    path: Path = Field(default_factory=default_cache_dir, description="directory of the chunk files")
+    capacity: Capacity = Field(
+        ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; disk.eviction picks the files that go"
+    )
+    codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'byteplanes'")
+    fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
+    eviction: EvictionName = Field(
+        "lru",
+        description="which file a full budget drops: 'lru' (least recently used), or the scan-resistant "
+        "'s3fifo' or 'arc' (see the eviction page)",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+class RemoteSection(BackendSection):
+    """A server's section (Redis, S3): off by default, a remote codec, a prefix and a connect timeout."""
+
+    prefix: str = Field("kvstore", description="prepended to every object name, to share a bucket or database")
+    codec: str = Field(
+        DEFAULT_REMOTE_CODEC, description="codec pipeline at this boundary, e.g. 'byteplanes' or 'fp8+zstd'"
+    )
+    connect_timeout: Duration = Field(2.0, gt=0, description="seconds to wait for a connection to the server")
 
 
 MULTIPART_MIN, SINGLE_PUT_MAX = 5 << 20, 5 << 30  # S3's smallest part (all but the last), largest single PUT
@@ -212,34 +219,3 @@ def _check_url(url: str, schemes: tuple[str, ...], source: str, example: str) ->
 def _without_password(url: str) -> str:
     """``url`` with the password in its user part (``user:secret@``) replaced by ``***``."""
     return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
-
-
-# -- backends' sections: the built-in ones above, and those of backends from other packages ---------
-
-BACKEND_ENTRY_POINTS = "kvstore.backends"
-BUILTIN_BACKENDS = ("disk", "redis", "s3")  # sections of StoreConfig's own; another backend's comes with it
-BACKEND_NAME = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")  # a TOML table and a KVSTORE_<NAME>__<KEY> prefix
-
-
-class BackendSection(Section):
-    """The settings every backend's section has; a backend's own section subclasses it and adds its own.
-
-    ``section`` is the backend's name: its TOML table (``[name]``) and its environment variables'
-    prefix (``KVSTORE_NAME__KEY``).
-    """
-
-    section: ClassVar[str] = ""
-    enabled: bool = Field(False, description="turn this tier on (its settings below then apply)")
-    codec: str = Field(DEFAULT_REMOTE_CODEC, description="codec pipeline at this boundary, e.g. 'identity' or 'zstd'")
-    allow_lossy: bool = Field(False, description=LOSSY_HELP)
-
-    @field_validator("codec")
-    @classmethod
-    def _valid_codec(cls, value: str) -> str:
-        make_codec(value)
-        return value
-
-    @model_validator(mode="after")
-    def _lossy_only_when_allowed(self) -> BackendSection:
-        _check_lossy(self.section or "backend", self.codec, self.allow_lossy)
-        return self

@@ -3,10 +3,10 @@
 ``python -m kvstore.devtools.bench_eviction`` replays every workload through every policy in
 :mod:`kvstore.eviction` at several cache sizes (in chunks, as fractions of the workload's
 distinct chunks) and prints one table: the hit ratio per policy and size, and each ratio over
-LRU's. ``--store`` also replays one workload through a real :class:`~kvstore.engine.store.KVStore`
-per policy (``dram.eviction`` set in its config, a DRAM-only store of 1 KiB chunks) and prints
-its DRAM hit ratio beside the simulated one: they are equal when the store evicts through the
-policy as the simulation does.
+LRU's. ``--store`` also replays one workload and the public trace through a real
+:class:`~kvstore.engine.store.KVStore` per policy (``dram.eviction`` set in its config, a
+DRAM-only store of 512-byte chunks) and prints its DRAM hit ratio beside the simulated one: they
+are equal when the store evicts through the policy as the simulation does.
 
 A replay treats each request as an engine does: the chunks it finds are hits (and loaded: a
 touch), then the chunks it missed are stored, each evicting one chunk when the cache is full.
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--trace", type=Path, default=MOONCAKE_SLICE, help="a Mooncake trace (JSONL, or the vendored form)"
     )
     parser.add_argument(
-        "--store", action="store_true", help="also replay one workload through a real KVStore per policy"
+        "--store", action="store_true", help="also replay a workload and the trace through a real KVStore per policy"
     )
     parser.add_argument("--store-requests", type=int, default=2_000, help="requests of that replay")
     args = parser.parse_args(argv)
@@ -226,6 +226,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.store:
         chains = prefixes_with_scans(args.store_requests, burst=40, every=40)
         for line in store_check("prefixes + one-off scans", chains, policies, sizes_for(chains, (0.05,))[0]):
+            print(line, flush=True)
+        print()
+        trace = mooncake_chains(args.trace)  # the public trace, through the store too
+        for line in store_check(
+            f"mooncake conversation, {args.trace.name}", trace, policies, sizes_for(trace, (0.01,))[0]
+        ):
             print(line, flush=True)
 
 
