@@ -387,3 +387,19 @@ async def test_a_corrupt_object_it_cannot_remove_is_not_a_failure_of_its_tier() 
         assert store.stats()["readonly"]["corrupt"] == 3
         assert store.stats()["readonly"]["breaker"]["state"] == "closed"
         assert torch.equal(await store.get(keys[3]), CHUNK)
+
+
+async def test_a_failed_probe_adds_no_warning_to_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A frozen tier: one line for the timeout that opens the breaker, one for the opening, then silence while
+    each probe times out (the state does not change), however many probes fail."""
+    clock = Clock()
+    tier, never = health(clock, failures=1), asyncio.Event()
+    with pytest.raises(TierTimeout):
+        await tier.run(lambda attempt: never.wait(), 0.001)
+    for _ in range(3):
+        clock.now += 60.0
+        with pytest.raises(TierTimeout):
+            await tier.run(lambda attempt: never.wait(), 0.001)  # the probe
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and "exceeded" in warnings[0] and "circuit breaker open" in warnings[1], warnings
+    assert tier.stats.timeouts == 4 and tier.breaker.state == "open"

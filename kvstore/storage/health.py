@@ -141,7 +141,9 @@ class TierHealth:
             raise
         except TierTimeout:
             self.stats.timeouts += 1
-            log.warning("%s tier: operation exceeded its %.1fs timeout", self.name, timeout)
+            # a probe's timeout is no news: the breaker said the tier is off when it opened
+            level = logging.DEBUG if probe else logging.WARNING
+            log.log(level, "%s tier: operation exceeded its %.1fs timeout", self.name, timeout)
             breaker.settle(probe, failed=blame, cancelled=not blame)
             raise
         except BaseException:
