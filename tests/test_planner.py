@@ -178,7 +178,22 @@ def test_a_tier_slow_to_answer_is_never_probed_and_a_slow_dram_path_is():
     plan.dram.bytes_per_s = 1e6  # 1 s a chunk
     clock.now += 3600.0
     assert (plan.plan(["s3", "s3"]).load, plan.plan(["s3", "s3"]).probe) == (0, None)
-    assert (plan.plan([DRAM, DRAM]).load, plan.plan([DRAM, DRAM]).probe) == (1, DRAM)
+    probe = plan.plan([DRAM, DRAM])
+    assert (probe.load, probe.probe) == (1, DRAM)
+
+
+def test_a_probe_whose_read_is_never_measured_is_repeated_once_an_interval_not_every_plan():
+    """vLLM never reports DRAM reads to the planner: a probe of DRAM leaves its estimate stale. The next
+    plans within the interval must not probe again (one slow chunk per tier and interval, at most)."""
+    clock = ManualClock()
+    plan = planner(clock=clock)
+    plan.dram.bytes_per_s = 1e6  # 1 s a chunk: refused
+    clock.now += 3600.0
+    plans = [plan.plan([DRAM, DRAM]) for _ in range(5)]
+    assert [(p.load, p.probe) for p in plans] == [(1, DRAM)] + [(0, None)] * 4
+    clock.now += 30.0
+    again = plan.plan([DRAM, DRAM])
+    assert (again.load, again.probe) == (1, DRAM)
 
 
 @pytest.mark.parametrize("seconds", [math.nan, math.inf, -1.0, 0.0])

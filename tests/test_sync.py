@@ -9,6 +9,7 @@ never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from pathlib import Path
 
@@ -110,6 +111,8 @@ async def test_a_cancelled_get_many_writes_nothing_into_outs_once_cancel_returne
             call = store.submit(store.store.get_many(keys, outs))
             assert backend.entered.wait(30)
             assert call.cancel() and call.cancelled()
+            done, _ = concurrent.futures.wait([call], timeout=30)  # a waiter on it is woken too
+            assert done == {call}
             backend.go.set()  # the device wakes: the thread opens the file and would read into outs[0]
             assert backend.closed.wait(30)
             assert torch.all(outs[0] == SENTINEL), "the cancelled read wrote into the caller's buffer"
@@ -136,6 +139,7 @@ async def test_a_call_cancelled_before_its_coroutine_started_never_runs(tmp_path
             outs = caller_buffers(1)
             call = store.submit(store.store.get_many([key], outs))
             assert call.cancel() and call.cancelled()
+            assert concurrent.futures.wait([call], timeout=30).done == {call}  # its waiters are woken
             release.set()
             held.result(30)
             store.stats()  # a round trip through the loop: whatever was queued before it has run

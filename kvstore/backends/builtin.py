@@ -82,7 +82,7 @@ DISK = BackendSpec(
     rank=100,
     section=DiskConfig,
     make=make_disk,
-    tools_open=False,  # opening scans for the LRU index and evicts to the budget: an engine's business
+    tools_open=False,  # opening scans for the eviction index and evicts to the budget: an engine's business
     tools_check=check_disk_root,
 )
 

@@ -107,7 +107,7 @@ class DiskBackend(DiskMaintenance, Backend):
         return f"{self._root_text}/{self._relative(key)}"
 
     def _relative(self, key: str, namespace: str | None = None) -> str:
-        """The file's path below the root: its name in the LRU index."""
+        """The file's path below the root: its name in the eviction index."""
         return relative_path(key, namespace or self.namespace)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class DiskBackend(DiskMaintenance, Backend):
         await in_thread(self._executor, self._scan)
 
     def _scan(self) -> None:
-        """Rebuild the LRU index from this namespace's files, oldest first; sweep stale temporaries.
+        """Rebuild the eviction index from this namespace's files, oldest first; sweep stale temporaries.
 
         Other namespaces' chunk files are counted for the log and left alone: they are outside
         this store's budget (their own stores evict them; ``kvstore gc`` manages them all).
@@ -179,7 +179,7 @@ class DiskBackend(DiskMaintenance, Backend):
         return await in_thread(self._executor, self.read, key, byte_range)
 
     def read(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        """The file's bytes or a range of them (clipped at its end), None if absent; counts as a hit for LRU."""
+        """The file's bytes or a range of them (clipped at its end), None if absent; a hit for eviction."""
         try:
             with open(self._file(key), "rb", buffering=0) as file:
                 if byte_range is None:
@@ -208,7 +208,7 @@ class DiskBackend(DiskMaintenance, Backend):
         return reader.size
 
     def open_reader(self, key: str) -> FileReader | None:
-        """The file opened for positioned reads (the caller closes it), or None if absent; counts as a hit for LRU."""
+        """The file opened for positioned reads (the caller closes it), or None if absent; a hit for eviction."""
         try:
             fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:

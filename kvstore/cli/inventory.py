@@ -71,7 +71,7 @@ async def tool_backends(config: StoreConfig, tiers: Sequence[str] | None = None)
     """The backends of ``tiers`` (default: every tier the config enables), opened for the tools.
 
     Each as its spec (:class:`~kvstore.backends.registry.BackendSpec`) says: checked first, its section
-    as the tools use it, opened or not (the disk backend is not: opening scans for its LRU index and
+    as the tools use it, opened or not (the disk backend is not: opening scans for its eviction index and
     evicts to its budget, which is an engine's business, not a listing's). A bucket is never created here.
     """
     configured = configured_tiers(config)

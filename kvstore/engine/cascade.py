@@ -13,7 +13,7 @@ Contract:
   up, each batch bounded by ``timeouts.put`` per chunk, through the tier's guarded
   :meth:`~kvstore.storage.tier.ChunkTier.write` (which counts failures and timeouts);
 - a chunk read lossy is written in the codec it came in (``lossy``, see
-  :class:`kvstore.storage.tier.LossyRead`);
+  :class:`kvstore.storage.chunk_reads.LossyRead`);
 - all of it runs on the store's event loop (not thread-safe).
 """
 

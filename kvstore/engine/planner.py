@@ -104,6 +104,7 @@ class TierEstimate:
     lookups: int = 0  # measurements folded in so far
     reads: int = 0
     read_at: float | None = None  # the planner's clock at the last read measured (or the seed's); None: never
+    probed_at: float | None = None  # the planner's clock at the last plan that probed this tier; None: never
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
@@ -193,6 +194,12 @@ class LoadPlanner:
         measured = estimate.reads > 0 or estimate is self.dram
         return measured and (estimate.read_at is None or now - estimate.read_at >= self.probe_interval)
 
+    def _probe_due(self, estimate: TierEstimate, now: float) -> bool:
+        """Whether a plan may probe ``estimate``'s tier: stale, and not probed in the last ``probe_interval``
+        seconds (a probe whose read is never measured, DRAM's under vLLM, must not make every plan a probe)."""
+        recently = estimate.probed_at is not None and now - estimate.probed_at < self.probe_interval
+        return self._stale(estimate, now) and not recently
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` prompt tokens in ``seconds`` (any thread).
 
@@ -280,7 +287,7 @@ class LoadPlanner:
             now = self.clock()
             with self._lock:
                 stale = frozenset(
-                    tier for tier, e in zip(tiers[best:], estimates[best:], strict=True) if self._stale(e, now)
+                    tier for tier, e in zip(tiers[best:], estimates[best:], strict=True) if self._probe_due(e, now)
                 )
             if stale:
                 hopeful, _ = self._best(tiers, estimates, per_chunk, stale)  # stale tiers at their latency only
@@ -288,6 +295,8 @@ class LoadPlanner:
                 if hopeful > first_stale:
                     probe, best = tiers[first_stale], first_stale + 1
                     best_load = self._load_seconds(tiers[:best], estimates[:best])
+                    with self._lock:
+                        estimates[first_stale].probed_at = now
         recompute = best * per_chunk if best else 0.0
         return LoadPlan(tiers, best, best_load, recompute, probe)
 

@@ -173,7 +173,7 @@ class StreamChunks:
                 continue
             if direct and admit is not None:
                 admit(key, reader.tier)
-            else:  # a chunk stored lossy is written on in its codec (kvstore.storage.tier.LossyRead)
+            else:  # a chunk stored lossy is written on in its codec (kvstore.storage.chunk_reads.LossyRead)
                 promote(key, reader.tier, slot, None if reader.header.codec.lossless else reader.header.codec)
 
     def release(self, last_copy: Completion) -> None:

@@ -185,6 +185,7 @@ class LoopCall(concurrent.futures.Future[T]):
         self._started = False  # under _start_lock: the coroutine runs (or ran) on the loop
         self._start_lock = threading.Lock()
         self._ended = threading.Event()  # the coroutine has ended: nothing of it runs any more
+        self._notified = False  # under _start_lock: waiters (concurrent.futures.wait) were told of the cancel
 
     def start(self, coroutine: Coroutine[Any, Any, T]) -> None:
         """Start the coroutine (on the loop), unless the call was cancelled first: then it never runs."""
@@ -201,7 +202,7 @@ class LoopCall(concurrent.futures.Future[T]):
         """The coroutine ended (on the loop): its outcome becomes this future's."""
         try:
             if task.cancelled():
-                super().cancel()
+                self._cancel_and_notify()
             elif self.set_running_or_notify_cancel():
                 exception = task.exception()
                 if exception is None:
@@ -220,7 +221,7 @@ class LoopCall(concurrent.futures.Future[T]):
             if self.done():
                 return False
             if not self._started:  # start() will see it and close the coroutine unrun
-                return super().cancel()
+                return self._cancel_and_notify(locked=True)
         if threading.current_thread() is self._loop_thread:
             assert self._task is not None  # started, and start() runs on this thread
             self._task.cancel()
@@ -228,11 +229,27 @@ class LoopCall(concurrent.futures.Future[T]):
         try:
             self._loop.call_soon_threadsafe(self._cancel_task)
         except RuntimeError:  # the loop is closed: nothing of the coroutine runs any more
-            return super().cancel()
+            return self._cancel_and_notify()
         if not self._ended.wait(self._settle_s):
             log.warning("a cancelled kvstore call did not stop within %.1fs (timeouts.close)", self._settle_s)
             return False
         return self.cancelled()
+
+    def _cancel_and_notify(self, locked: bool = False) -> bool:
+        """Mark the future cancelled and tell every waiter (``concurrent.futures.wait``, ``as_completed``), once.
+
+        A plain ``Future.cancel()`` leaves waiters asleep until ``set_running_or_notify_cancel()``,
+        which an executor calls; here nobody else would.
+        """
+        if not locked:
+            with self._start_lock:
+                return self._cancel_and_notify(locked=True)
+        if not super().cancel():
+            return False
+        if not self._notified:
+            self._notified = True
+            self.set_running_or_notify_cancel()  # CANCELLED -> CANCELLED_AND_NOTIFIED, waiters woken
+        return True
 
     def _cancel_task(self) -> None:
         if self._task is not None:

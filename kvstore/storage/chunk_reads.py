@@ -42,7 +42,7 @@ from kvstore.util.threads import WriteFence, in_thread
 INLINE_CHECK_BYTES = 8 << 20  # remote chunks up to this size are checksummed on the event loop
 OpenedChunk = tuple[ChunkHeader, ObjectFile | None, memoryview | None]  # header, open file, layer 0's stored bytes
 Guard = WriteFence | contextlib.nullcontext[None]  # held around each write into a chunk's destination
-UNGUARDED: Guard = contextlib.nullcontext()
+NO_FENCE: Guard = contextlib.nullcontext()
 
 
 class LossyRead(NamedTuple):
@@ -98,7 +98,7 @@ class ChunkReads:
         return _read_size(header, file.size)
 
     def _read_file_header(
-        self, file: ObjectFile, key: ChunkKey, first_batch: memoryview, guard: Guard = UNGUARDED
+        self, file: ObjectFile, key: ChunkKey, first_batch: memoryview, guard: Guard = NO_FENCE
     ) -> tuple[ChunkHeader, bool]:
         """The file's checked header, read together with ``first_batch`` (the bytes right after it).
 

@@ -34,11 +34,10 @@ from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChu
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
-from kvstore.storage.chunk_reads import UNGUARDED, ChunkReads, Guard, LossyRead, ReadOutcome
+from kvstore.storage.chunk_reads import NO_FENCE, ChunkReads, Guard, LossyRead, ReadOutcome
 from kvstore.storage.container import encode_chunk
 from kvstore.storage.crypto import ChunkCipher
-from kvstore.storage.health import UNGUARDED as NOT_GUARDED
-from kvstore.storage.health import Attempt, TierHealth
+from kvstore.storage.health import UNGUARDED, Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.storage.stats import TierLatency, TierStats
 from kvstore.util.threads import FenceClosed, WriteFence
@@ -231,7 +230,7 @@ class ChunkTier:
     async def write_many(
         self,
         items: Sequence[tuple[ChunkKey, memoryview]],
-        attempt: Attempt = NOT_GUARDED,
+        attempt: Attempt = UNGUARDED,
         codecs: Sequence[CodecPipeline | None] | None = None,
     ) -> list[BaseException | None]:
         """Store several chunks; per chunk, the exception that stopped it or None (counted either way).
@@ -286,7 +285,7 @@ class ChunkTier:
         outs: Sequence[memoryview],
         fences: Sequence[WriteFence] | None = None,
         counted: bool = True,
-        attempt: Attempt = NOT_GUARDED,
+        attempt: Attempt = UNGUARDED,
         lossy: list[CodecPipeline | None] | None = None,
     ) -> list[bool]:
         """Fill each ``outs[i]`` with ``keys[i]``; per key, False on a miss of any kind (absent, corrupt, error).
@@ -305,7 +304,7 @@ class ChunkTier:
             return []
         if fences is not None and not self.is_local:
             raise ValueError(f"{self.name} tier: fenced reads are for local tiers (file reads in threads)")
-        guards: Sequence[Guard] = fences if fences is not None else [UNGUARDED] * len(keys)
+        guards: Sequence[Guard] = fences if fences is not None else [NO_FENCE] * len(keys)
         reads = [
             ObjectRead(key, partial(self._reads.load_file, key, out, guard), partial(self._reads.load_remote, key, out))
             for key, out, guard in zip(keys, outs, guards, strict=True)
@@ -321,7 +320,7 @@ class ChunkTier:
         return [await self.account(key, outcome, counted, attempt) for key, outcome in zip(keys, outcomes, strict=True)]
 
     async def account(
-        self, key: ChunkKey, outcome: ReadOutcome, counted: bool = True, attempt: Attempt = NOT_GUARDED
+        self, key: ChunkKey, outcome: ReadOutcome, counted: bool = True, attempt: Attempt = UNGUARDED
     ) -> bool:
         """Count one read's outcome (bytes read, None for absent, or what it raised); True for a hit.
 
@@ -369,7 +368,7 @@ class ChunkTier:
     # -- layer by layer ------------------------------------------------------------------------------
 
     async def open_layers_many(
-        self, keys: Sequence[ChunkKey], attempt: Attempt = NOT_GUARDED
+        self, keys: Sequence[ChunkKey], attempt: Attempt = UNGUARDED
     ) -> list[LayerReader | None]:
         """The chunks opened for reads layer by layer (each header read and checked once); None where missed.
 
@@ -406,9 +405,9 @@ class ChunkTier:
         try:
             await self.backend.delete(key)
         except Exception as delete_error:  # not a breaker failure: read-only credentials may refuse it forever
-            self.health.error(NOT_GUARDED, f"removal of corrupt {key[:16]}", delete_error, tier_fault=False)
+            self.health.error(UNGUARDED, f"removal of corrupt {key[:16]}", delete_error, tier_fault=False)
 
-    async def prefix_count(self, keys: list[ChunkKey], attempt: Attempt = NOT_GUARDED) -> int:
+    async def prefix_count(self, keys: list[ChunkKey], attempt: Attempt = UNGUARDED) -> int:
         """How many leading ``keys`` the backend holds (a failure counts as an error and answers 0)."""
         try:
             return await self.backend.prefix_count(keys)
