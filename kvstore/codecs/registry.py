@@ -19,13 +19,10 @@ same codec: a name cannot be registered twice.
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
-import threading
-import warnings
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvstore.codecs.base import Codec, stage_kind
 from kvstore.codecs.byteplanes import BytePlanesCodec
@@ -38,6 +35,7 @@ from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.lz4 import Lz4Codec
 from kvstore.codecs.pipeline import CodecPipeline
 from kvstore.codecs.zstd import ZstdCodec
+from kvstore.util.plugins import PluginCatalogue
 
 ENTRY_POINT_GROUP = "kvstore.codecs"
 MAX_CODEC_NAME = 64  # of a whole pipeline name, as chunk headers store it
@@ -67,83 +65,48 @@ def _qualname(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-def _describe(entry: importlib.metadata.EntryPoint) -> str:
-    dist = f" (from {entry.dist.name} {entry.dist.version})" if entry.dist is not None else ""
-    return f"'{entry.name} = {entry.value}'{dist}"
+def _check_stage(codec: object) -> None:
+    """A stage class with a valid ``name`` (lowercase, no ``+`` or ``:``, as chunk headers store it), else an error."""
+    stage_kind(codec)  # type: ignore[arg-type]
+    name = getattr(codec, "name", None)
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > MAX_CODEC_NAME:
+        raise ValueError(
+            f"{_qualname(codec)}.name must be lowercase ASCII letters, digits, '_', '.' or '-', starting "
+            f"with a letter, at most {MAX_CODEC_NAME} characters; got {name!r}"
+        )
+
+
+def _loaded_stage(codec: object, name: str) -> type[Codec]:
+    """What the entry point ``name`` loaded, if it is the stage class called ``name``."""
+    _check_stage(codec)
+    if getattr(codec, "name", None) != name:
+        raise ValueError(f"it loads {codec!r}, whose name is {getattr(codec, 'name', None)!r}, not {name!r}")
+    return cast(type[Codec], codec)
 
 
 class CodecRegistry:
-    """Stage classes by name, with the entry-point group read lazily, once."""
+    """Stage classes by name, with the entry-point group read lazily, once (a :class:`PluginCatalogue`)."""
 
     def __init__(self, codecs: Iterable[type[Codec]] = BUILTIN_CODECS) -> None:
-        self._codecs: dict[str, type[Codec]] = {}
-        self._entry_points: dict[str, list[importlib.metadata.EntryPoint]] | None = None  # not read yet
-        self._lock = threading.RLock()  # an entry point's module may call register_codec as it is imported
+        self._catalogue: PluginCatalogue[type[Codec]] = PluginCatalogue(
+            ENTRY_POINT_GROUP, "codec", _loaded_stage, describe_item=_qualname
+        )
         for codec in codecs:
             self.register(codec)
 
     def register(self, codec: C) -> C:
         """Add a stage class under its ``name``; a name taken by another class is a ValueError."""
-        stage_kind(codec)
-        name = getattr(codec, "name", None)
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > MAX_CODEC_NAME:
-            raise ValueError(
-                f"{_qualname(codec)}.name must be lowercase ASCII letters, digits, '_', '.' or '-', starting "
-                f"with a letter, at most {MAX_CODEC_NAME} characters; got {name!r}"
-            )
-        with self._lock:
-            taken = self._codecs.get(name)
-            if taken is not None and taken is not codec:
-                raise ValueError(f"codec name {name!r} is taken by {_qualname(taken)}: give {_qualname(codec)} another")
-            self._codecs[name] = codec
+        _check_stage(codec)
+        self._catalogue.register(codec.name, codec)
         return codec
 
     def lookup(self, name: str) -> type[Codec] | None:
         """The stage class called ``name``, its entry point imported on first use; None if there is none."""
-        with self._lock:
-            codec = self._codecs.get(name)
-            if codec is None and name in self._discovered():
-                codec = self._load(name)
-            return codec
+        return self._catalogue.lookup(name)
 
     def names(self) -> list[str]:
         """Every stage name, entry points included (listed without importing them)."""
-        with self._lock:
-            return sorted(self._codecs.keys() | self._discovered().keys())
-
-    def _discovered(self) -> dict[str, list[importlib.metadata.EntryPoint]]:
-        if self._entry_points is None:
-            found: dict[str, list[importlib.metadata.EntryPoint]] = {}
-            for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                taken = self._codecs.get(entry.name)
-                if taken is None:
-                    found.setdefault(entry.name, []).append(entry)
-                elif entry.value != f"{taken.__module__}:{taken.__qualname__}":
-                    warnings.warn(
-                        f"entry point {_describe(entry)} in group {ENTRY_POINT_GROUP!r} is ignored: "
-                        f"codec {entry.name!r} is {_qualname(taken)}",
-                        stacklevel=2,
-                    )
-            self._entry_points = found
-        return self._entry_points
-
-    def _load(self, name: str) -> type[Codec]:
-        entries = self._discovered()[name]
-        where = f"{', '.join(_describe(entry) for entry in entries)} in group {ENTRY_POINT_GROUP!r}"
-        if len(entries) > 1:
-            raise ValueError(f"codec {name!r} is declared by several entry points, {where}: uninstall all but one")
-        try:
-            codec = entries[0].load()
-            stage_kind(codec)
-            if getattr(codec, "name", None) != name:
-                raise ValueError(f"it loads {codec!r}, whose name is {getattr(codec, 'name', None)!r}, not {name!r}")
-            self.register(codec)
-        except Exception as exc:  # third-party code: whatever it raises, say which entry point it was
-            raise ValueError(
-                f"codec {name!r} could not be loaded from the entry point {where}: {type(exc).__name__}: {exc}"
-            ) from exc
-        self._discovered().pop(name)
-        return codec
+        return self._catalogue.names()
 
 
 default_registry = CodecRegistry()

@@ -27,12 +27,15 @@ class PluginCatalogue(Generic[T]):
     """Objects by name, registered in code or loaded from the entry points of ``group``.
 
     ``check(obj, name)`` turns what an entry point loads into a ``T`` (or raises, saying what is
-    wrong with it); ``kind`` names the plugins in messages ("backend").
+    wrong with it); ``kind`` names the plugins in messages ("backend", "codec"), ``describe_item``
+    an item. An entry point that names the very object registered under its name is no clash.
     """
 
-    def __init__(self, group: str, kind: str, check: Callable[[object, str], T]) -> None:
+    def __init__(
+        self, group: str, kind: str, check: Callable[[object, str], T], describe_item: Callable[[T], str] = repr
+    ) -> None:
         self.group, self.kind = group, kind
-        self._check = check
+        self._check, self._describe_item = check, describe_item
         self._items: dict[str, T] = {}
         self._loaded: set[str] = set()  # names whose item came from an entry point
         self._entry_points: dict[str, list[importlib.metadata.EntryPoint]] | None = None  # not read yet
@@ -44,11 +47,15 @@ class PluginCatalogue(Generic[T]):
         with self._lock:
             taken = self._items.get(name)
             if taken is not None and taken is not item:
-                raise ValueError(f"{self.kind} name {name!r} is taken by {taken!r}: give the new one another name")
+                raise ValueError(
+                    f"{self.kind} name {name!r} is taken by {self._describe_item(taken)}: "
+                    f"give {self._describe_item(item)} another"
+                )
             self._items[name] = item
             shadowed = (self._entry_points or {}).pop(name, [])
         for entry in shadowed:
-            warnings.warn(self._ignored(entry), stacklevel=2)
+            if not _names(entry, item):
+                warnings.warn(self._ignored(entry), stacklevel=2)
         return item
 
     def lookup(self, name: str) -> T | None:
@@ -95,7 +102,8 @@ class PluginCatalogue(Generic[T]):
                     continue
                 seen.add((entry.name, entry.value))
                 if entry.name in self._items:
-                    warnings.warn(self._ignored(entry), stacklevel=3)
+                    if not _names(entry, self._items[entry.name]):
+                        warnings.warn(self._ignored(entry), stacklevel=3)
                 else:
                     found.setdefault(entry.name, []).append(entry)
             self._entry_points = found
@@ -116,3 +124,8 @@ class PluginCatalogue(Generic[T]):
         self._items[name] = item
         self._loaded.add(name)
         return item
+
+
+def _names(entry: importlib.metadata.EntryPoint, item: object) -> bool:
+    """Whether ``entry`` points at ``item`` itself (``module:qualname``): the same plugin, declared twice."""
+    return entry.value == f"{getattr(item, '__module__', None)}:{getattr(item, '__qualname__', None)}"
