@@ -30,7 +30,6 @@ from typing import Any
 from kvstore.backends.base import Backend, ByteRange, Scatter
 from kvstore.backends.redis_maintenance import RedisMaintenance
 from kvstore.backends.redis_set_parts import set_parts
-from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 from kvstore.util.buffers import Buffer, as_bytes_view
 
 READ_PIECE = 2 << 20  # get_into's GETRANGE size
@@ -42,31 +41,12 @@ class RedisBackend(RedisMaintenance, Backend):
 
     name = "redis"
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        cluster: bool = False,
-        prefix: str = "kvstore",
-        ttl: float | None = None,
-        max_connections: int = 32,
-        connect_timeout: float = 2.0,
-        socket_timeout: float = 30.0,
-        namespace: str = DEFAULT_NAMESPACE,
-    ) -> None:
-        if not is_namespace_dir(namespace):
-            raise ValueError(f"{namespace!r} is not a namespace directory name (see kvstore.keys.namespace_dir)")
+    def __init__(self, url: str | None = None, *, ttl: float | None = None, **connection: Any) -> None:
+        """``ttl``: seconds an object lives (None: until the server evicts it); ``connection``: the settings
+        of :class:`~kvstore.backends.redis_connection.RedisConnection` (cluster, prefix, pool, timeouts, namespace)."""
         if ttl is not None and ttl <= 0:
             raise ValueError(f"redis ttl must be positive seconds or None, got {ttl!r}")
-        super().__init__(
-            url,
-            cluster=cluster,
-            prefix=prefix,
-            max_connections=max_connections,
-            connect_timeout=connect_timeout,
-            socket_timeout=socket_timeout,
-            namespace=namespace,
-        )
+        super().__init__(url, **connection)
         self.ttl = ttl
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
         self._scratch: list[bytearray] = []

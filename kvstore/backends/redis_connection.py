@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstore.keys import DEFAULT_NAMESPACE
+from kvstore.keys import DEFAULT_NAMESPACE, is_namespace_dir
 
 log = logging.getLogger("kvstore.redis")
 T = TypeVar("T")
@@ -85,6 +85,8 @@ class RedisConnection:
         socket_timeout: float = 30.0,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
+        if not is_namespace_dir(namespace):
+            raise ValueError(f"{namespace!r} is not a namespace directory name (see kvstore.keys.namespace_dir)")
         self._url = url or os.environ.get("REDIS_URL") or DEFAULT_URL
         self.url, self._secrets = mask_url(self._url), url_secrets(self._url)
         self.cluster, self.prefix, self.namespace = cluster, prefix, namespace

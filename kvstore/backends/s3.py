@@ -21,7 +21,7 @@ The tier in modules:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from botocore.exceptions import ClientError, IncompleteReadError
 
@@ -30,7 +30,6 @@ from kvstore.backends.s3_connection import MISSING_CODES, error_code
 from kvstore.backends.s3_maintenance import S3Maintenance
 from kvstore.backends.s3_multipart import upload_in_parts
 from kvstore.config import MULTIPART_MIN, SINGLE_PUT_MAX
-from kvstore.keys import DEFAULT_NAMESPACE
 from kvstore.util.buffers import Buffer, as_bytes_view
 
 _COUNTERS = ("requests", "retries", "bytes_uploaded", "bytes_downloaded", "multipart_uploads")
@@ -47,19 +46,12 @@ class S3Backend(S3Maintenance, Backend):
         self,
         bucket: str,
         *,
-        prefix: str = "kvstore",
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        addressing_style: Literal["auto", "path", "virtual"] = "auto",
-        max_concurrency: int = 16,
         multipart_threshold: int = 64 << 20,
         part_size: int = 8 << 20,
-        max_attempts: int = 4,
-        connect_timeout: float = 2.0,
-        read_timeout: float = 30.0,
-        create_bucket: bool = False,
-        namespace: str = DEFAULT_NAMESPACE,
+        **connection: Any,
     ) -> None:
+        """``connection``: the settings of :class:`~kvstore.backends.s3_connection.S3Connection` (endpoint,
+        region, concurrency, attempts, timeouts, namespace); the multipart ones are this class's."""
         if part_size < MULTIPART_MIN:
             raise ValueError(f"part_size must be at least {MULTIPART_MIN} bytes (an S3 limit), got {part_size}")
         if not MULTIPART_MIN <= multipart_threshold <= SINGLE_PUT_MAX:
@@ -67,19 +59,7 @@ class S3Backend(S3Maintenance, Backend):
                 f"multipart_threshold must lie within {MULTIPART_MIN} and {SINGLE_PUT_MAX} bytes (S3's smallest "
                 f"part and largest single PUT), got {multipart_threshold}; e.g. 64 MiB, above a chunk's size"
             )
-        super().__init__(
-            bucket,
-            prefix=prefix,
-            endpoint_url=endpoint_url,
-            region=region,
-            addressing_style=addressing_style,
-            max_concurrency=max_concurrency,
-            max_attempts=max_attempts,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            create_bucket=create_bucket,
-            namespace=namespace,
-        )
+        super().__init__(bucket, **connection)
         self.multipart_threshold, self.part_size = multipart_threshold, part_size
 
     def __repr__(self) -> str:
