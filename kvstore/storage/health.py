@@ -120,8 +120,9 @@ class TierHealth:
         the chunks a write carries (what a skip counts). ``blame=False``: a timeout was cut short
         by the caller's own deadline, not the tier's fault: counted, never a breaker failure.
         ``detached=False``: awaited in place, cancelled at its timeout and with its caller (an
-        operation that cleans up after itself on cancellation). ``cancel_with_caller``: a detached
-        operation is cancelled too when its caller is (one writing into the caller's memory).
+        operation that cleans up after itself on cancellation; no ``latency`` is observed).
+        ``cancel_with_caller``: a detached operation is cancelled too when its caller is (one
+        writing into the caller's memory).
         """
         breaker = self.breaker
         if not breaker.admit():
@@ -135,7 +136,7 @@ class TierHealth:
             if detached:
                 result = await self._detached(operation(attempt), timeout, latency, on_end, cancel_with_caller)
             else:
-                result = await self._inline(operation(attempt), timeout, latency)
+                result = await self._inline(operation(attempt), timeout)
         except asyncio.CancelledError:
             breaker.settle(probe, failed=attempt.failed, cancelled=True)
             raise
@@ -179,18 +180,14 @@ class TierHealth:
             raise TierTimeout(self.name)
         return task.result()
 
-    async def _inline(self, operation: Awaitable[T], timeout: float | None, latency: Histogram | None) -> T:
-        start = time.perf_counter()
+    async def _inline(self, operation: Awaitable[T], timeout: float | None) -> T:
         try:
             async with asyncio.timeout(timeout):
-                result = await operation
+                return await operation
         except TimeoutError as exc:
             if isinstance(exc, TierTimeout):
                 raise
             raise TierTimeout(self.name) from None
-        if latency is not None:
-            latency.observe(time.perf_counter() - start)
-        return result
 
     def cancel_all(self) -> None:
         """Ask every detached operation still running to stop (the store is closing); their ``on_end`` still runs."""
