@@ -27,6 +27,8 @@ if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.
 fi
 # vLLM, in its own environment, for the end-to-end tests of kvstore's vLLM integrations.
 source "$ROOT/scripts/vllm_env.sh"
+# SGLang, in its own environment too, for the tests of kvstore's HiCache storage backend.
+source "$ROOT/scripts/sglang_env.sh"
 cd "$ROOT"
 # Two workers (pytest-xdist): the vLLM engine tests in two groups, each group's one after another on
 # one worker (at most two engines at once), the real-model tests on one, everything else wherever a

@@ -10,6 +10,7 @@ import torch
 # The backend conformance suite lives in the package; its assertions should explain themselves too.
 pytest.register_assert_rewrite("kvstore.testing.conformance")
 
+from sglang_env import sglang_python  # noqa: E402, F401 (fixture)
 from support import TEST_BUCKET, raw_s3_client, start_server  # noqa: E402
 from vllm_engines import (  # noqa: E402, F401 (fixtures)
     tiny_gemma,
@@ -44,6 +45,7 @@ ENGINE_GROUPS = {
     "test_vllm_tier.py": "engine_a",
     "test_vllm_metrics.py": "engine_a",
     "test_vllm_shapes.py": "engine_b",
+    "test_vllm_events.py": "engine_b",
     "test_vllm_prefix_cache_prints_a_row_per_source": "engine_b",  # examples (tests/test_examples.py)
     "test_vllm_config_second_engine_loads_the_prefix_from_disk": "engine_b",
 }

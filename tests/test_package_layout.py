@@ -22,7 +22,7 @@ LAYERS = [
     ["kvstore.layout"],
     ["kvstore.keys", "kvstore.codecs"],
     ["kvstore.config"],
-    ["kvstore.backends"],
+    ["kvstore.backends", "kvstore.events"],
     ["kvstore.storage"],
     ["kvstore.sizing"],
     ["kvstore.engine"],

@@ -82,9 +82,13 @@ class Backend(Maintenance, ABC):
       set elsewhere (retention, TTL); the cost model sizes the tier by it.
     - ``range_request_bytes``: bytes a range request should carry to amortize its round trip; layer
       streams coalesce consecutive layers up to this size (0: one layer per request).
+
+    A backend that evicts objects itself (the disk tier's byte budget) calls ``on_evicted`` with
+    their keys, from whatever thread evicts; the chunk tier sets it (KV events: kvstore.events).
     """
 
     name: ClassVar[str]
+    on_evicted: Callable[[Sequence[str]], None] = staticmethod(lambda keys: None)
     is_local: ClassVar[bool] = False
     range_request_bytes: ClassVar[int] = 0
     capacity_bytes: int | None = None

@@ -95,6 +95,12 @@ class DiskBackend(DiskMaintenance, Backend):
         self.fsync = fsync
         self._executor = executor
         self._budget = FileBudget(self._root_text, self.capacity_bytes, eviction)  # this namespace's files
+        self._budget.on_evicted = self._evicted
+
+    def _evicted(self, relative: str) -> None:
+        key = chunk_key_of(relative.rpartition("/")[2])
+        if key is not None:
+            self.on_evicted([key])
 
     # -- paths -------------------------------------------------------------------------------
 

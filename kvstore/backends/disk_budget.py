@@ -12,7 +12,7 @@ granted against bytes still on disk.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvstore.backends.files import unlink_quietly
 from kvstore.eviction import DEFAULT_EVICTION, EvictionName, EvictionPolicy, make_policy
@@ -30,6 +30,7 @@ class FileBudget:
         self._policy: EvictionPolicy[str] = make_policy(eviction, max(1, capacity))  # the index's eviction order
         self.used = 0  # the index's bytes plus those reserved by writes in flight
         self.evictions = self.disk_full = 0
+        self.on_evicted: Callable[[str], None] = lambda relative: None  # told each file evicted (the lock held)
 
     @property
     def eviction(self) -> str:
@@ -133,6 +134,7 @@ class FileBudget:
         self.used -= self._index.pop(victim)
         self.evictions += 1
         unlink_quietly(f"{self.root}/{victim}")
+        self.on_evicted(victim)
         return True
 
     def stats(self) -> dict[str, int | float | str]:

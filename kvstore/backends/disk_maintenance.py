@@ -79,16 +79,19 @@ class DiskMaintenance(Maintenance):
 
         return await in_thread(self._executor, read)
 
-    async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
+    async def remove_unchanged_batches(
+        self, items: Sequence[StoredObject], head_bytes: int = 0
+    ) -> AsyncIterator[RemoveReport]:
         for batch in pages(items):
-            yield await in_thread(self._executor, self._remove_batch, batch)
+            yield await in_thread(self._executor, self._remove_batch, batch, head_bytes)
 
-    def _remove_batch(self, items: Sequence[StoredObject]) -> RemoveReport:
+    def _remove_batch(self, items: Sequence[StoredObject], head_bytes: int = 0) -> RemoveReport:
         """Each file is first renamed aside, atomically, then checked: exact even against a racing writer.
 
         A check before a plain unlink would leave a window in which a fresh file could be renamed
         into place and then deleted. A file that turns out changed is linked back, unless an even
-        newer one has arrived meanwhile (a key's bytes never change, so either will do).
+        newer one has arrived meanwhile (a key's bytes never change, so either will do). The head
+        (``head_bytes``) is read from the file set aside, so it is the one deleted.
         """
         report = RemoveReport()
         for item in items:
@@ -105,9 +108,9 @@ class DiskMaintenance(Maintenance):
             try:
                 stat = os.stat(aside)
                 if (stat.st_ino, stat.st_mtime_ns) == item.version:
+                    head = _read_head(aside, head_bytes) if head_bytes else None
                     os.unlink(aside)
-                    report.removed += 1
-                    report.removed_bytes += stat.st_size
+                    report.count_removed(item, stat.st_size, head)
                     continue
                 report.changed += 1
                 try:
@@ -118,3 +121,12 @@ class DiskMaintenance(Maintenance):
             except OSError as exc:
                 report.errors.append(f"{path}: {exc.strerror}")
         return report
+
+
+def _read_head(path: str, size: int) -> bytes | None:
+    """The file's first ``size`` bytes; None if it cannot be read (it is removed all the same)."""
+    try:
+        with open(path, "rb", buffering=0) as file:
+            return file.read(size)
+    except OSError:
+        return None

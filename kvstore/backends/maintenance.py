@@ -10,9 +10,10 @@ loop of :meth:`~Maintenance.remove_unchanged` (totals and progress) is written o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import ClassVar, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -30,6 +31,13 @@ class StoredObject:
     version: tuple[object, ...]  # this exact object: a rewrite (and, where recorded, an access) changes it
 
 
+class Removed(NamedTuple):
+    """One object a removal deleted, with its first bytes when they were asked for (``head_bytes``)."""
+
+    item: StoredObject  # as it was given to the removal
+    head: bytes | None  # read just before it was deleted; None if not asked for or unreadable
+
+
 @dataclass
 class RemoveReport:
     """What a batch delete did; tools add these up for their summary."""
@@ -39,6 +47,13 @@ class RemoveReport:
     changed: int = 0  # rewritten or used since it was listed: kept
     gone: int = 0  # already absent (evicted, expired, another gc): nothing to do
     errors: list[str] = field(default_factory=list)
+    deleted: list[Removed] = field(default_factory=list)  # which objects were removed (``removed`` of them)
+
+    def count_removed(self, item: StoredObject, size: int, head: bytes | None = None) -> None:
+        """``item`` (``size`` bytes) was deleted; ``head``: its first bytes, read just before."""
+        self.removed += 1
+        self.removed_bytes += size
+        self.deleted.append(Removed(item, head))
 
     def add(self, other: RemoveReport) -> None:
         """Fold ``other`` into this report (a total over batches)."""
@@ -47,6 +62,7 @@ class RemoveReport:
         self.changed += other.changed
         self.gone += other.gone
         self.errors.extend(other.errors)
+        self.deleted.extend(other.deleted)
 
     @property
     def handled(self) -> int:
@@ -95,24 +111,36 @@ class Maintenance:
         """
         return item
 
-    async def remove_unchanged(self, items: Sequence[StoredObject], progress: Progress | None = None) -> RemoveReport:
+    async def remove_unchanged(
+        self, items: Sequence[StoredObject], progress: Progress | None = None, *, head_bytes: int = 0
+    ) -> RemoveReport:
         """Delete each object only if it is still the one listed (same ``version``), in batches.
 
         Safe beside live engines: a reader of a removed chunk sees a miss, and a chunk rewritten
         or (where recorded) read since it was listed is kept, counted as ``changed``. The total
-        of every batch's report; ``progress`` sees each batch's report as it completes.
+        of every batch's report (``deleted`` says which objects went); ``progress`` sees each
+        batch's report as it completes. ``head_bytes``: read each object's first that many bytes
+        (its chunk header, for ``kvstore gc``'s events) just before deleting it, without counting
+        as an access (a Redis idle time is not restarted by it); 0 reads nothing.
         """
         total = RemoveReport()
-        async for report in self.remove_unchanged_batches(items):
+        # A backend written before heads were asked for takes the items alone: its heads are None.
+        takes_heads = "head_bytes" in inspect.signature(self.remove_unchanged_batches).parameters
+        batches = self.remove_unchanged_batches(*((items, head_bytes) if takes_heads else (items,)))
+        async for report in batches:
             total.add(report)
             if progress is not None:
                 progress(report)
         return total
 
-    def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
+    def remove_unchanged_batches(
+        self, items: Sequence[StoredObject], head_bytes: int = 0
+    ) -> AsyncIterator[RemoveReport]:
         """The removal itself, one report per batch (an async generator): what a backend implements.
 
-        Each of ``items`` is accounted for in exactly one report (removed, changed, gone or an
-        error); a batch's failure is reported as errors for its objects, never raised.
+        Each of ``items`` is accounted for in exactly one report (removed, with its head when
+        ``head_bytes`` asks for it: see :meth:`RemoveReport.count_removed`; changed, gone or an
+        error); a batch's failure is reported as errors for its objects, never raised. A head
+        that cannot be read is None, never an error: the object is removed all the same.
         """
         raise NotImplementedError(f"the {self.name} backend cannot be cleaned by the kvstore tools")

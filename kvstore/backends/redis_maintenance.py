@@ -109,12 +109,15 @@ class RedisMaintenance(RedisConnection, Maintenance):
         """Reading restarted the key's idle time, so the removal checks the bytes read instead."""
         return dataclasses.replace(item, version=("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest()))
 
-    async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
+    async def remove_unchanged_batches(
+        self, items: Sequence[StoredObject], head_bytes: int = 0
+    ) -> AsyncIterator[RemoveReport]:
         """Per batch, a pipeline of a thousand small scripts, each an atomic check-then-UNLINK of one key.
 
         The check: the key's idle time shows no access since the listing (or, after ``verify``
         read it, its bytes are the ones read). One key per script: on a Cluster a script may only
-        touch keys of one slot.
+        touch keys of one slot. The head (``head_bytes``) is read by the script itself, after the
+        check and just before the UNLINK: a read beforehand would restart the idle time checked.
         """
         for batch in pages(items):
             now = time.monotonic()
@@ -124,7 +127,8 @@ class RedisMaintenance(RedisConnection, Maintenance):
                 pipe: Any, batch: Sequence[StoredObject] = batch, conditions: list[tuple[str, str]] = conditions
             ) -> None:
                 for item, (kind, value) in zip(batch, conditions, strict=True):
-                    pipe.eval(_REMOVE_IF_UNCHANGED, 1, self._name(item.key, item.namespace), kind, value)
+                    name = self._name(item.key, item.namespace)
+                    pipe.eval(_REMOVE_IF_UNCHANGED, 1, name, kind, value, head_bytes)
 
             report = RemoveReport()
             try:
@@ -133,9 +137,10 @@ class RedisMaintenance(RedisConnection, Maintenance):
                 report.errors.extend(f"{self.prefix}:{item.namespace}:{item.key}: {self._scrub(exc)}" for item in batch)
                 outcomes = []
             for item, outcome in zip(batch, outcomes, strict=False):
-                if outcome == 1:
-                    report.removed += 1
-                    report.removed_bytes += item.size
+                if isinstance(outcome, bytes):  # removed, and this is its head
+                    report.count_removed(item, item.size, outcome)
+                elif outcome == 1:
+                    report.count_removed(item, item.size)
                 elif outcome == 0:
                     report.changed += 1
                 else:
@@ -143,15 +148,18 @@ class RedisMaintenance(RedisConnection, Maintenance):
             yield report
 
 
-# KEYS[1]: the chunk. ARGV: "idle" and the least idle seconds it must show, or "sha1" and its bytes' SHA-1.
-# Returns -1 (gone), 0 (changed: kept) or 1 (removed). OBJECT IDLETIME does not touch the key.
+# KEYS[1]: the chunk. ARGV: "idle" and the least idle seconds it must show, or "sha1" and its bytes' SHA-1;
+# then how many of its first bytes to return (0: none). Returns -1 (gone), 0 (changed: kept), or, removed,
+# 1 or its first bytes. OBJECT IDLETIME does not touch the key.
 _REMOVE_IF_UNCHANGED = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if ARGV[1] == 'idle' then
   if redis.call('OBJECT', 'IDLETIME', KEYS[1]) < tonumber(ARGV[2]) then return 0 end
 elseif redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[2] then return 0 end
+local head = 1
+if tonumber(ARGV[3]) > 0 then head = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1) end
 redis.call('UNLINK', KEYS[1])
-return 1
+return head
 """
 _CHUNK_KEY = re.compile(r"[0-9a-f]{8,128}")
 

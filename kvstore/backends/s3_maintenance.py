@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -102,7 +103,9 @@ class S3Maintenance(S3Connection, Maintenance):
         self.bytes_downloaded += len(data)
         return data
 
-    async def remove_unchanged_batches(self, items: Sequence[StoredObject]) -> AsyncIterator[RemoveReport]:
+    async def remove_unchanged_batches(
+        self, items: Sequence[StoredObject], head_bytes: int = 0
+    ) -> AsyncIterator[RemoveReport]:
         """List each namespace again, then DeleteObjects (1000 a request) what is still as first listed.
 
         S3 has no delete conditional on the modification time for general-purpose buckets (an
@@ -110,6 +113,7 @@ class S3Maintenance(S3Connection, Maintenance):
         the check is a fresh listing, page by page, each page's deletes sent right after it: a
         write is missed only if it lands in the milliseconds between a page and its delete.
         A batch is a listing page; the objects no listing shows any more come last, as gone.
+        The heads (``head_bytes``) are ranged reads, 16 in flight, between a page and its delete.
         """
         wanted: dict[str, dict[str, StoredObject]] = {}
         for item in items:
@@ -122,11 +126,12 @@ class S3Maintenance(S3Connection, Maintenance):
                     if listed is None:
                         continue
                     if now.version == listed.version:
-                        doomed.append(now)
+                        doomed.append(listed)
                     else:
                         report.changed += 1
                 if doomed:
-                    report.add(await self._delete_batch(doomed))
+                    heads = await self._read_heads(doomed, head_bytes) if head_bytes else [None] * len(doomed)
+                    report.add(await self._delete_batch(doomed, heads))
                 if report.handled:
                     yield report
                 if not victims:
@@ -134,10 +139,25 @@ class S3Maintenance(S3Connection, Maintenance):
             if victims:  # not listed again: gone already
                 yield RemoveReport(gone=len(victims))
 
-    async def _delete_batch(self, doomed: list[StoredObject]) -> RemoveReport:
+    async def _read_heads(self, items: list[StoredObject], size: int) -> list[bytes | None]:
+        """Each object's first ``size`` bytes, 16 reads in flight; None for one that cannot be read."""
+        slots = asyncio.Semaphore(16)
+
+        async def one(item: StoredObject) -> bytes | None:
+            async with slots:
+                try:
+                    return await self.read_head(item, size)
+                except Exception:  # a timeout too: the object is named by its key instead
+                    return None
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    async def _delete_batch(self, doomed: list[StoredObject], heads: list[bytes | None]) -> RemoveReport:
         """One DeleteObjects (at most 1000 keys, one listing page); per-key failures are reported."""
         report = RemoveReport()
-        names = {f"{self._base}{item.namespace}/{item.key}": item for item in doomed}
+        names = {
+            f"{self._base}{item.namespace}/{item.key}": (item, head) for item, head in zip(doomed, heads, strict=True)
+        }
         try:
             response = await self._call(
                 "delete_objects",
@@ -148,12 +168,11 @@ class S3Maintenance(S3Connection, Maintenance):
             report.errors.extend(f"{name}: {type(exc).__name__}: {exc}" for name in names)
             return report
         failed = {error["Key"]: error for error in response.get("Errors", [])}
-        for name, item in names.items():
+        for name, (item, head) in names.items():
             if name in failed:
                 report.errors.append(f"{name}: {failed[name].get('Code')}: {failed[name].get('Message')}")
             else:
-                report.removed += 1
-                report.removed_bytes += item.size
+                report.count_removed(item, item.size, head)
         return report
 
     async def install_expiration(self, days: int, namespace: str | None = None) -> dict[str, Any]:

@@ -323,9 +323,11 @@ async def collect(
             if not typer.confirm(f"Delete {doomed:,} chunks ({human_bytes(doomed_bytes)})?"):
                 console.print("nothing deleted")
                 return EXIT_DECLINED
-        with progress_bar() as bar:
+        victims = (item.namespace for plan in plans for item in plan.victims)
+        with inventory.removal_events(config, victims) as events, progress_bar() as bar:
             task = bar.add_task("deleting", total=doomed)
-            reports = await inventory.run_gc(backends, plans, lambda _, report: bar.advance(task, report.handled))
+            step = lambda _, report: bar.advance(task, report.handled)  # noqa: E731
+            reports = await inventory.run_gc(backends, plans, step, events)
         read_from(where)
         console.print(gc_table(plans, reports, dry_run=False))
         print_sweep(await inventory.sweep_temporaries(backends, accept, remove=True))
@@ -457,10 +459,8 @@ async def check_all(
                 console.print("nothing removed")
                 print_sweep(sweep)
                 return EXIT_DECLINED
-            for result in results:
-                if result.damaged:
-                    items = [bad.item for bad in result.damaged]
-                    result.removed = await backends[result.tier].remove_unchanged(items)
+            with inventory.removal_events(config, (bad.item.namespace for _, bad in damaged)) as events:
+                await inventory.remove_damaged(backends, results, events)
     columns = ("tier", "checked", "bytes", "damaged", "removed", "gone meanwhile", "read errors")
     table = make_table("kvstore verify", columns, left=("tier",))
     for result in results:

@@ -32,8 +32,11 @@ from kvstore.backends.registry import (
 )
 from kvstore.backends.temporaries import temporary_state
 from kvstore.cli.console import TierUnreachable
+from kvstore.cli.removal_events import HEAD_BYTES, RemovalEvents, chunk_name
+from kvstore.cli.removal_events import removal_events as removal_events  # for admin, loaded lazily
 from kvstore.config import StoreConfig
 from kvstore.errors import BucketMissing, ChunkFormatError, ConfigError
+from kvstore.events.wire import BlockHash
 from kvstore.keys import namespace_dir
 from kvstore.storage.container import HEADER_ALIGN, check_stored_chunk, header_codec, header_length
 from kvstore.util.threads import in_thread
@@ -341,13 +344,24 @@ async def plan_gc(
 
 
 async def run_gc(
-    backends: dict[str, Backend], plans: Sequence[TierPlan], progress: Callable[[str, RemoveReport], None] | None = None
+    backends: dict[str, Backend],
+    plans: Sequence[TierPlan],
+    progress: Callable[[str, RemoveReport], None] | None = None,
+    events: RemovalEvents | None = None,
 ) -> dict[str, RemoveReport]:
-    """Remove each plan's victims that are still as listed; per tier, what happened."""
+    """Remove each plan's victims that are still as listed; per tier, what happened.
+
+    ``events``: publish each tier's removals, each chunk named from its header (read just before
+    its deletion: one small read per deleted object, only then).
+    """
     reports = {}
     for plan in plans:
         step: Progress | None = None if progress is None else (lambda report, t=plan.tier: progress(t, report))
-        reports[plan.tier] = await backends[plan.tier].remove_unchanged(plan.victims, step)
+        head_bytes = HEAD_BYTES if events is not None else 0
+        report = await backends[plan.tier].remove_unchanged(plan.victims, step, head_bytes=head_bytes)
+        reports[plan.tier] = report
+        if events is not None:
+            events.report(plan.tier, backends[plan.tier], report)
     return reports
 
 
@@ -414,6 +428,7 @@ class Damaged:
 
     item: StoredObject  # as read (its version is what a removal checks)
     reason: str
+    name: BlockHash | None = None  # what events call it once removed (removal_events.chunk_name)
 
 
 @dataclass
@@ -459,8 +474,22 @@ async def verify_tier(
         try:
             check_stored_chunk(data, item.key)
         except ChunkFormatError as exc:
-            result.damaged.append(Damaged(backend.read_version(item, data), str(exc)))
+            result.damaged.append(Damaged(backend.read_version(item, data), str(exc), chunk_name(data, item.key)))
 
     await asyncio.gather(*(check(item) for item in objects))
     result.damaged.sort(key=lambda damaged: (damaged.item.namespace, damaged.item.key))
     return result
+
+
+async def remove_damaged(
+    backends: dict[str, Backend], results: Sequence[TierCheck], events: RemovalEvents | None = None
+) -> None:
+    """Remove what each tier's check found damaged, if still as read (``TierCheck.removed``); ``events``:
+    publish what went, each chunk named as its header did, else by its key."""
+    for result in results:
+        if result.damaged:
+            backend = backends[result.tier]
+            result.removed = await backend.remove_unchanged([bad.item for bad in result.damaged])
+            if events is not None:
+                names = {(bad.item.namespace, bad.item.key): bad.name for bad in result.damaged}
+                events.report(result.tier, backend, result.removed, names)

@@ -24,8 +24,10 @@ from kvstore.util import units
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
-# Read by scripts/bootstrap.sh and scripts/vllm_env.sh, not by the store: never "unknown" to it.
-SCRIPT_VARIABLES = frozenset({"KVSTORE_TORCH_VERSION", "KVSTORE_VLLM_VERSION", "KVSTORE_EXTRAS"})
+# Read by scripts/bootstrap.sh, vllm_env.sh and sglang_env.sh, not by the store: never "unknown" to it.
+SCRIPT_VARIABLES = frozenset(
+    {"KVSTORE_TORCH_VERSION", "KVSTORE_VLLM_VERSION", "KVSTORE_SGLANG_VERSION", "KVSTORE_EXTRAS"}
+)
 
 
 def _size(value: Any) -> Any:

@@ -138,6 +138,46 @@ class MetricsConfig(Section):
     port: int = Field(9464, ge=0, le=65535, description="TCP port of /metrics; 0 picks a free one")
 
 
+class EventsConfig(Section):
+    """KV events for cache-aware routers, in vLLM's wire format (see the events page and kvstore.events)."""
+
+    enabled: bool = Field(False, description="publish a KV event when a chunk is stored on a tier or leaves one")
+    endpoint: str = Field(
+        "tcp://*:5567",
+        description="ZeroMQ PUB address: bound when it has '*' (e.g. 'tcp://*:5567', 'tcp://*:0' for a free port), "
+        "else connected to (a router's SUB socket, 'tcp://router:5567')",
+    )
+    replay_endpoint: str = Field(
+        "", description="ZeroMQ ROUTER address serving missed batches by sequence number ('' for none)"
+    )
+    admin_endpoint: str = Field(
+        "",
+        description="where kvstore gc and verify publish their removals ('' for endpoint): beside a live engine, "
+        "another port or the router's address",
+    )
+    topic: str = Field(
+        "kv@{engine}@{model}", description="each message's topic; {engine} and {model} are replaced (llm-d's form)"
+    )
+    engine_id: str = Field("", description="the engine's identity in the topic ('' for this host's name)")
+    model: str = Field("", description="the model's name in the topic ('' for the store's namespace)")
+    data_parallel_rank: int = Field(
+        0, ge=0, description="set in every batch; added to the endpoints' TCP ports (vLLM's rule for DP ranks)"
+    )
+    flush_interval: Duration = Field(0.01, gt=0, le=10, description="events are sent in batches at most this late")
+    buffer_batches: int = Field(10_000, ge=1, description="sent batches kept for replay")
+    remembered_chunks: int = Field(
+        16_384, ge=1, description="chunks whose engine identity (hashes, ~1 KB of tokens) is kept for later events"
+    )
+
+    def resolved_topic(self, model: str) -> str:
+        """The topic, with ``{engine}`` (this host's name if unset) and ``{model}`` (``model`` if unset) filled in."""
+        import socket
+
+        return self.topic.replace("{engine}", self.engine_id or socket.gethostname()).replace(
+            "{model}", self.model or model
+        )
+
+
 class AdaptiveConfig(Section):
     """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.sizing.adaptive)."""
 

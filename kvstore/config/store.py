@@ -53,6 +53,7 @@ from kvstore.config.sections import (
     BreakerConfig,
     DramConfig,
     EncryptionConfig,
+    EventsConfig,
     MetricsConfig,
     PlannerConfig,
     TimeoutConfig,
@@ -80,6 +81,7 @@ class StoreConfig(BaseSettings):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     queue_depth: int = Field(64, ge=1, description="pending writes per secondary tier; a full queue drops the write")

@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from kvstore.events import DRAM_MEDIUM, NO_EVENTS, TierEvents
 from kvstore.eviction import DEFAULT_EVICTION, EvictionName, EvictionPolicy, make_policy
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
@@ -62,7 +63,8 @@ class SlabPool:
 
     ``max_bytes`` is the most ``resize`` may grow to, cut into SEGMENTS (64) segments; without it the pool is
     one segment of ``capacity_bytes`` and cannot resize. ``eviction`` names the policy that picks which
-    unreferenced chunk a full pool drops (:mod:`kvstore.eviction`).
+    unreferenced chunk a full pool drops (:mod:`kvstore.eviction`). ``events`` hears of every chunk
+    published (stored) and of every one evicted, discarded or dropped by a shrink (removed).
     """
 
     def __init__(
@@ -72,8 +74,10 @@ class SlabPool:
         pin_memory: Literal["auto", "always", "never"] = "auto",
         max_bytes: int | None = None,
         eviction: EvictionName | str = DEFAULT_EVICTION,
+        events: TierEvents = NO_EVENTS,
     ):
         self.layout = layout
+        self.events = events  # told of each chunk published, evicted or discarded (kvstore.events)
         self.slot_bytes = layout.chunk_nbytes
         if capacity_bytes // self.slot_bytes < 1:
             raise ValueError(
@@ -173,6 +177,7 @@ class SlabPool:
                 slot = self._index.pop(victim)
                 self._key_of[slot] = None
                 self.evictions += 1
+                self.events.removed(DRAM_MEDIUM, [victim])
             self._refs[slot] = 1
             return slot
 
@@ -191,6 +196,7 @@ class SlabPool:
             self._index[key] = slot
             self._key_of[slot] = key
             self._policy.insert(key)
+            self.events.stored(DRAM_MEDIUM, [key])
             return True
 
     def acquire(self, key: ChunkKey) -> int | None:
@@ -244,6 +250,11 @@ class SlabPool:
                         return True
             return False
 
+    def keys(self) -> list[ChunkKey]:
+        """The chunks published now (a snapshot)."""
+        with self._lock:
+            return list(self._index)
+
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self._index
@@ -258,6 +269,7 @@ class SlabPool:
             self._key_of[slot] = None
             if self._refs[slot] == 0:
                 self._free.append(slot)
+            self.events.removed(DRAM_MEDIUM, [key])
             return True
 
     # -- resizing ----------------------------------------------------------------------------------
@@ -319,6 +331,7 @@ class SlabPool:
         """Retire segments [want, _usable): drop their chunks, free those nobody references now."""
         freed: list[torch.Tensor] = []
         with self._lock:
+            dropped: list[ChunkKey] = []
             for position in range(want, self._usable):
                 span = self._span(position)
                 for slot, key in [(s, self._key_of[s]) for s in span if self._key_of[s] is not None]:
@@ -326,9 +339,11 @@ class SlabPool:
                     self._policy.remove(key)
                     self._key_of[slot] = None
                     self.resize_evictions += 1
+                    dropped.append(key)
                 self._retiring[position] = len(span) - self._refs[span.start : span.stop].count(0)
                 if self._retiring[position] == 0:
                     freed.append(self._free_segment(position))
+            self.events.removed(DRAM_MEDIUM, dropped)
             self._usable = want
             self.num_slots = self._span(want - 1).stop
             self._policy.resize(self.num_slots)

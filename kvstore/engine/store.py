@@ -46,6 +46,7 @@ from kvstore.engine.stats import StoreLatency
 from kvstore.engine.stream_sources import StreamSources
 from kvstore.engine.transfer import Completion, DeviceTransfers, ready_on_current_stream
 from kvstore.errors import StoreClosedError
+from kvstore.events import DRAM_MEDIUM, NO_EVENTS, ChunkEvents, NoEvents, open_publisher
 from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker
@@ -84,9 +85,18 @@ class KVStore:
         # waits behind (or, on a frozen disk, forever on) the I/O threads' file reads and writes.
         self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
         adaptive = config.adaptive
+        # KV events for routers (kvstore.events): published from open() to close(), when enabled
+        self.events: ChunkEvents | NoEvents = (
+            ChunkEvents(layout.chunk_tokens, config.events.remembered_chunks) if config.events.enabled else NO_EVENTS
+        )
         most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
         self.pool = SlabPool(
-            layout, int(config.dram.capacity), config.dram.pin_memory, max_bytes=most, eviction=config.dram.eviction
+            layout,
+            int(config.dram.capacity),
+            config.dram.pin_memory,
+            max_bytes=most,
+            eviction=config.dram.eviction,
+            events=self.events,
         )
         self.policy: Policy = adaptive.policy
         self.adaptive = AdaptiveCounters()
@@ -94,6 +104,8 @@ class KVStore:
         self._held_back = HeldBack(2 * self.pool.max_slots)
         self._auto: AutoMode | None = None  # made at open(), with the tracker
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
+        for tier in self.tiers:
+            tier.report_to(self.events)
         self._remote_below = any(not tier.is_local for tier in self.tiers)  # puts copy off the loop (_copy_in)
         self._counters = {  # what the engine asked: stats()["store"], the kvstore_* counters
             "puts": 0,
@@ -163,17 +175,24 @@ class KVStore:
             raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
         if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
             self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
+        if isinstance(self.events, ChunkEvents):  # a socket that cannot be opened stops the store here
+            self.events.start(open_publisher(self.config.events, self.namespace))
         # Before any I/O too: a trace path that fails stops the store here.
         self._tracker = make_tracker(self.config.adaptive, self.layout, self.namespace, self.pool.capacity_bytes)
         if self.config.adaptive.auto:
             assert self._tracker is not None  # auto mode always tracks
             self._auto = AutoMode(self, self._tracker, self.config.adaptive, self.config.dram_bounds(), self.adaptive)
-        for tier in self.tiers:
-            await tier.open()
-            if not tier.codec.lossless:  # allowed by the config's allow_lossy; said once, where logs are read
-                log.info(
-                    "kvstore: the %s tier stores KV with the lossy codec %r (allow_lossy)", tier.name, tier.codec.id
-                )
+        try:
+            for tier in self.tiers:
+                await tier.open()
+                if not tier.codec.lossless:  # allowed by the config's allow_lossy; said once, where logs are read
+                    log.info(
+                        "kvstore: the %s tier stores KV with the lossy codec %r (allow_lossy)", tier.name, tier.codec.id
+                    )
+        except BaseException:
+            if isinstance(self.events, ChunkEvents):  # its socket is freed for the next try
+                self.events.close()
+            raise
         self._cascade.start()
         self._state = "open"
         metrics.register(self)
@@ -215,6 +234,9 @@ class KVStore:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._copy_executor.shutdown(wait=False, cancel_futures=True)
         self.transfers.close()
+        if isinstance(self.events, ChunkEvents):  # the DRAM tier goes with the store; the others keep theirs
+            self.events.removed(DRAM_MEDIUM, self.pool.keys())
+            self.events.close()
         self._state = "closed"
         metrics.unregister(self)
 

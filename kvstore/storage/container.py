@@ -7,7 +7,8 @@ Layout (little-endian)::
                  codec name length u16, codec name (ASCII),
                  key id 8s (only when flags has ENCRYPTED: which key sealed the segments)
     segment table  num_layers x (offset u64, stored_len u64, raw_len u64, xxh3-64 u64)
-    zero padding   up to a multiple of 4096 bytes, less the checksum
+    zero padding   up to a multiple of 4096 bytes, less the checksum; it may start with the
+                 engine's name for the chunk (below)
     header checksum  xxh3-64 of everything above, u64
     segments     one per layer, in layer order, each encoded on its own
 
@@ -16,6 +17,14 @@ Segment offsets count from the end of the header, so layer ``i`` is one byte-ran
 checksum covers the stored bytes, so corruption is caught before a decoder sees it. With
 encryption (:mod:`kvstore.storage.crypto`) each stored segment is an AES-GCM box of the encoded layer.
 Stored objects are data, never code: nothing here unpickles.
+
+**The engine's name.** Where KV events are on and the engine named the chunk (its block hash,
+:mod:`kvstore.events`), the padding starts with ``"KVNM"``, a kind u8 (1: bytes, 2: an unsigned
+64-bit int), a length u8 and 32 bytes: so ``kvstore gc`` and ``verify`` can name in their events
+the chunks they remove as the engine did. It is written only where the padding has its 38 bytes
+(it lacks them for a few layer counts, e.g. 125 layers under the identity codec: those chunks are
+named by their keys), so the header's length is what every kvstore version expects: readers that
+do not know the record skip it, as they skip the padding.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ VERSION = 1
 _FIXED = struct.Struct("<8sHHI16s32sIIH")
 _SEGMENT = struct.Struct("<QQQQ")
 _CHECKSUM = struct.Struct("<Q")
+_NAME = struct.Struct("<4sBB32s")  # in the padding: "KVNM", kind, length, value
+NAME_MAGIC = b"KVNM"
+NAME_BYTES, NAME_INT = 1, 2
 MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
 FLAG_ENCRYPTED = 1
@@ -89,8 +101,14 @@ class ChunkHeader:
 
 
 def encode_header(
-    layout: KVLayout, key: ChunkKey, codec_id: str, segments: list[Segment], key_id: bytes | None = None
+    layout: KVLayout,
+    key: ChunkKey,
+    codec_id: str,
+    segments: list[Segment],
+    key_id: bytes | None = None,
+    name: bytes | int | None = None,
 ) -> bytes:
+    """The header; ``name``: the engine's name for the chunk, kept in the padding where it fits (see above)."""
     codec_bytes = codec_id.encode("ascii")
     size = header_size(len(segments), codec_id, key_id is not None)
     parts = [
@@ -110,8 +128,40 @@ def encode_header(
     ]
     parts.extend(_SEGMENT.pack(s.offset, s.stored_len, s.raw_len, s.checksum) for s in segments)
     body = b"".join(parts)
+    record = _name_record(name)
+    if record and len(body) + len(record) <= size - _CHECKSUM.size:
+        body += record
     body += bytes(size - len(body) - _CHECKSUM.size)  # zero padding
     return body + _CHECKSUM.pack(checksum(body))
+
+
+def _name_record(name: bytes | int | None) -> bytes:
+    if isinstance(name, bytes) and 0 < len(name) <= 32:
+        return _NAME.pack(NAME_MAGIC, NAME_BYTES, len(name), name)
+    if isinstance(name, int) and not isinstance(name, bool) and 0 <= name < 1 << 64:
+        return _NAME.pack(NAME_MAGIC, NAME_INT, 8, name.to_bytes(8, "big"))
+    return b""  # no name, or one no engine gives (then events name the chunk by its key)
+
+
+def header_name(head: Buffer) -> bytes | int | None:
+    """The engine's name a chunk's header keeps (None if none), from the object's first bytes (at
+    least the whole header: :func:`header_length` says how many), the header's checksum checked.
+
+    For ``kvstore gc`` and ``verify``, which publish their removals. Raises ChunkFormatError.
+    """
+    view = as_bytes_view(head)
+    fields = _checked_fields(view)
+    start = (
+        _FIXED.size + fields.codec_len + (KEY_ID_BYTES if fields.encrypted else 0) + _SEGMENT.size * fields.num_layers
+    )
+    if start + _NAME.size > fields.header_len - _CHECKSUM.size:
+        return None
+    magic, kind, length, value = _NAME.unpack_from(view, start)
+    if magic != NAME_MAGIC or not 0 < length <= 32:
+        return None
+    if kind == NAME_BYTES:
+        return value[:length]
+    return int.from_bytes(value[:8], "big") if kind == NAME_INT else None
 
 
 def encode_layers(
@@ -163,14 +213,16 @@ def encode_chunk(
     codec: CodecPipeline,
     cipher: ChunkCipher | None = None,
     executor: Executor | None = None,
+    name: bytes | int | None = None,
 ) -> list[Buffer]:
     """The whole container as a list of buffers (header first), for a gather write or upload (blocking).
 
     ``executor``: the pool this runs in, whose idle workers may encode some of the layers.
+    ``name``: the engine's name for the chunk (see the module docstring), or None.
     """
     encoded = encode_layers(layout, chunk, codec, cipher, key, executor)
     key_id = None if cipher is None else cipher.key_id
-    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id)
+    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id, name)
     return [header, *(stored for stored, _ in encoded)]
 
 

@@ -31,6 +31,7 @@ from kvstore.codecs import CodecPipeline
 from kvstore.codecs.base import SegmentSpec
 from kvstore.config import BreakerConfig
 from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChunkError
+from kvstore.events import NO_EVENTS, Medium, TierEvents
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
@@ -77,6 +78,16 @@ class ChunkTier:
         self.executor = executor
         self._refuse_a_codec_for_other_values()
         self._reads = ChunkReads(backend, layout, codec, cipher, executor)  # each object's bytes read and checked
+        self.medium = Medium.of_tier(self.name, backend.is_local)  # what KV events call this tier
+        self.events: TierEvents = NO_EVENTS
+        backend.on_evicted = self._evicted
+
+    def report_to(self, events: TierEvents) -> None:
+        """Tell ``events`` of every chunk written here (stored) and evicted or removed as corrupt (removed)."""
+        self.events = events
+
+    def _evicted(self, keys: Sequence[ChunkKey]) -> None:
+        self.events.removed(self.medium, keys)
 
     def _refuse_a_codec_for_other_values(self) -> None:
         """ConfigError, at start, for a codec that cannot encode this layout's values (e.g. fp8 on fp8 KV).
@@ -248,7 +259,17 @@ class ChunkTier:
         chosen = codecs if codecs is not None else [None] * len(items)
         writes = [
             ObjectWrite(
-                key, partial(encode_chunk, self.layout, key, chunk, codec or self.codec, self.cipher, self.executor)
+                key,
+                partial(
+                    encode_chunk,
+                    self.layout,
+                    key,
+                    chunk,
+                    codec or self.codec,
+                    self.cipher,
+                    self.executor,
+                    self.events.name_of(key),
+                ),
             )
             for (key, chunk), codec in zip(items, chosen, strict=True)
         ]
@@ -260,6 +281,7 @@ class ChunkTier:
         else:
             outcomes = await self.backend.write_many(writes, self.executor)
         results: list[BaseException | None] = []
+        durable: list[ChunkKey] = []  # written, or held already
         for (key, _), outcome in zip(items, outcomes, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
@@ -276,7 +298,9 @@ class ChunkTier:
             else:
                 self.stats.writes += 1
                 self.stats.bytes_written += outcome
+            durable.append(key)
             results.append(None)
+        self.events.stored(self.medium, durable)
         return results
 
     async def read_many_into(
@@ -402,6 +426,7 @@ class ChunkTier:
     async def _discard_corrupt(self, key: ChunkKey, exc: ChunkFormatError) -> None:
         self.stats.corrupt += 1
         log.warning("%s tier: chunk %s is unusable (%s); removing it", self.name, key[:16], exc)
+        self.events.removed(self.medium, [key])
         try:
             await self.backend.delete(key)
         except Exception as delete_error:  # not a breaker failure: read-only credentials may refuse it forever

@@ -12,7 +12,9 @@ tokens vLLM did not compute), ``reset`` empties vLLM's own prefix cache, ``other
 requests saving the same chunks in one step), ``salted`` for the same prompt under another
 tenant's ``cache_salt``,
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
-process ``--freeze-pid`` (a server that stops answering).
+process ``--freeze-pid`` (a server that stops answering), ``handshake`` writes ``<--handshake>.ready``
+and waits (at most 5 minutes) for the test to write ``<--handshake>.go`` (a subscriber catching up).
+``--kv-events PUB,REPLAY`` turns vLLM's own KV events on, published there.
 
 ``--processes`` lays the engine out:
 
@@ -80,6 +82,14 @@ def build_llm(args: argparse.Namespace) -> Any:
     backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     executor = {"distributed_executor_backend": "mp"} if args.processes == "workers" else {}
     probe = {"worker_extension_cls": "probe.KVStoreProbe"} if args.mode == "connector" else {}
+    events: dict[str, Any] = {}
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        endpoint, replay = args.kv_events.split(",")
+        events["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, replay_endpoint=replay
+        )
     return LLM(
         model=args.model,
         dtype=args.dtype,
@@ -95,6 +105,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         **backend,
         **executor,
         **probe,
+        **events,
     )
 
 
@@ -149,6 +160,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA: vLLM's portable MLA kernels")
     parser.add_argument("--processes", choices=["default", "workers", "one"], default="default")
+    parser.add_argument("--kv-events", default="", help="PUB,REPLAY endpoints: vLLM's own KV events on")
+    parser.add_argument("--handshake", default="", help="the handshake step's files: PATH.ready, PATH.go")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     in_process = args.processes != "default"  # the engine core (vLLM's scheduler) in this process
@@ -176,6 +189,12 @@ def main() -> None:
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         elif step == "flush":
             flush(llm, args.mode, in_process)
+        elif step == "handshake":
+            with open(args.handshake + ".ready", "w"):
+                pass
+            waited = time.monotonic()
+            while not os.path.exists(args.handshake + ".go") and time.monotonic() - waited < 300:
+                time.sleep(0.05)
         elif step == "freeze":
             os.kill(args.freeze_pid, signal.SIGSTOP)
         elif step in prompts or step == "pair":

@@ -87,6 +87,15 @@ def read_options(
     )
 
 
+def name_events(config: StoreConfig, served_model_name: str, data_parallel_rank: int) -> None:
+    """KV events name the engine's model (unless ``events.model`` is set) and its data-parallel rank."""
+    if config.events.enabled:
+        if not config.events.model:
+            config.events.model = served_model_name
+        if data_parallel_rank and not config.events.data_parallel_rank:
+            config.events.data_parallel_rank = data_parallel_rank
+
+
 def vllm_settings(model_config: Any, kv_cache_dtype: str) -> dict[str, Any]:
     """What besides the checkpoint's files changes the KV in vLLM (not max_model_len, which does not).
 
@@ -242,6 +251,7 @@ class _SharedStores:
                 config.dram.capacity = layout.chunk_nbytes  # type: ignore[assignment]
                 config.dram.pin_memory = "never"
                 config.metrics.enabled = False  # the worker's store exports; a second exporter wants its port
+                config.events.enabled = False  # the worker's store publishes what it stores
                 return SyncKVStore(config, layout, options.namespace)  # not shared: release() closes it
             if store is None:
                 store = SyncKVStore(options.config, layout, options.namespace)

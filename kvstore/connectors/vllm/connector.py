@@ -54,7 +54,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvstore.connectors.identity import require_one_namespace
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer
-from kvstore.connectors.vllm._common import read_options, shared_stores, vllm_namespace
+from kvstore.connectors.vllm._common import name_events, read_options, shared_stores, vllm_namespace
 from kvstore.connectors.vllm.engine_config import (
     attention_groups,
     engine_layer,
@@ -72,6 +72,7 @@ from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
 from kvstore.engine.planner import PrefillClock
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.events import ChunkEvents
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,6 +98,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         options = read_options(
             transfer.kv_connector_extra_config or {}, lambda: vllm_namespace("vllm", model, cache_dtype)
         )
+        name_events(options.config, model.served_model_name, vllm_config.parallel_config.data_parallel_rank)
         if transfer.kv_load_failure_policy != "recompute":
             # A cache that fails requests on a bad chunk is worse than no cache: kvstore's promise
             # is that a corrupt or missing chunk costs a recompute, never an error or wrong KV.
@@ -161,6 +163,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             prefill_clock=PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens),
             identity=self.identity(),
             counters=self.counters,
+            hash_block_size=(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
+            if options.config.events.enabled
+            else None,
         )
         # worker side
         self._scheduler_counters: dict[str, int] = {}  # as of the last step's metadata
@@ -247,6 +252,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             require_one_namespace((f"worker rank {self.ranks.rank}", self.identity()), {"the scheduler": meta.identity})
             self._identity_checked = True
             log.info("kvstore: worker rank %d keys chunks as the scheduler does: %s", self.ranks.rank, meta.identity)
+        if meta.chunk_identities and self.store is not None:
+            events = self.store.store.events
+            if isinstance(events, ChunkEvents):
+                for key, chunk_identity in meta.chunk_identities.items():
+                    events.attribute(key, chunk_identity)
         for spec in meta.loads:
             if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
                 self._whole_loads.start(spec)

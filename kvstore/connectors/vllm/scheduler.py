@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.connectors.attention_groups import AttentionGroup, loaded_blocks, saved_blocks
+from kvstore.connectors.vllm.chunk_identity import chunk_identity
 from kvstore.connectors.vllm.engine_config import request_extra
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner, PrefillClock
@@ -52,6 +53,7 @@ class RequestState:
 
     keys: list[ChunkKey]  # one per full chunk of the prompt
     prompt_tokens: int
+    request: Request | None = None  # vLLM's, for the engine's block hashes (KV events)
     lookup: concurrent.futures.Future[LoadPlan] | None = None
     plan: LoadPlan | None = None  # where the store holds the leading chunks, once the lookup is back
     decided: bool = False  # its chunks left to recompute are counted (once)
@@ -82,11 +84,14 @@ class ConnectorScheduler:
         prefill_clock: PrefillClock,
         identity: str,
         counters: dict[str, int],
+        hash_block_size: int | None = None,
     ) -> None:
         """``hybrid``: loads are whole-prefix and asynchronous (several groups, or a sliding window).
 
         ``saved_limit``: how many keys of chunks sent for saving are remembered (about what the
         worker's DRAM tier holds). ``identity``: the namespace and layout sent to the workers.
+        ``hash_block_size``: vLLM's, when KV events are on: each chunk loaded or saved is sent with
+        the engine's name for it (:mod:`~kvstore.connectors.vllm.chunk_identity`).
         """
         self._held_store = held_store
         self.groups = list(groups)
@@ -102,13 +107,14 @@ class ConnectorScheduler:
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
         self._saved_limit = saved_limit
         self._prefill_clock = prefill_clock
+        self._hash_block_size = hash_block_size
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
             tokens = list(request.prompt_token_ids or [])  # none for prompt embeddings: nothing to key
             keys = self._held_store().chunk_keys(tokens, request_extra(request))
-            state = RequestState(keys=keys, prompt_tokens=len(tokens))
+            state = RequestState(keys=keys, prompt_tokens=len(tokens), request=request)
             self._requests[request.request_id] = state
         state.local_tokens = num_computed_tokens
         if state.load_failed:
@@ -215,6 +221,8 @@ class ConnectorScheduler:
             state.block_ids = [list(table) for table in new.block_ids]
             if state.load is not None:
                 meta.loads.append(state.load)
+                if state.loading is not None:
+                    self._name_chunks(meta, state, range(state.loading[0], state.loading[0] + len(state.load.keys)))
                 state.load = None
             scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
             progress.append((new.req_id, new.num_computed_tokens, new.num_computed_tokens + scheduled))
@@ -248,6 +256,7 @@ class ConnectorScheduler:
                     self.counters["unsaveable_chunks"] += 1
                     continue
                 meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
+                self._name_chunks(meta, state, range(chunk, chunk + 1))
                 self._saved[state.keys[chunk]] = None
                 self._saved.move_to_end(state.keys[chunk])
                 if len(self._saved) > self._saved_limit:
@@ -258,6 +267,15 @@ class ConnectorScheduler:
         meta.scheduler_counters = dict(self.counters)
         meta.identity = self.identity
         return meta
+
+    def _name_chunks(self, meta: KVStoreConnectorMetadata, state: RequestState, chunks: range) -> None:
+        """With KV events on, send the engine's name for each of ``state``'s ``chunks``."""
+        if self._hash_block_size is None or state.request is None:
+            return
+        for chunk in chunks:
+            identity = chunk_identity(state.request, chunk, self.chunk_tokens, self._hash_block_size)
+            if identity is not None:
+                meta.chunk_identities[state.keys[chunk]] = identity
 
     def _saved_runs(self, state: RequestState, chunk: int, computed_tokens: int) -> list[BlockRun] | None:
         """Each group's blocks of ``chunk`` (see :func:`saved_blocks`), or None if a group no longer has them all."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore.events import ChunkIdentity
 from kvstore.keys import ChunkKey
 
 
@@ -59,3 +60,5 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     scheduler_counters: dict[str, int] = field(default_factory=dict)  # the scheduler's, as of this step
     identity: str = ""  # the scheduler's namespace and layout: a worker that keys chunks otherwise stops
+    # with KV events on: the engine's name for each chunk this step loads or saves (kvstore.events)
+    chunk_identities: dict[ChunkKey, ChunkIdentity] = field(default_factory=dict)

@@ -1,0 +1,214 @@
+"""ZeroMQ publisher of KV-event batches, on vLLM's sockets and framing (so vLLM's subscribers read it).
+
+- PUB socket: each batch is a multipart message ``(topic, sequence, payload)``: the topic in
+  UTF-8, the batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher), the
+  msgpack ``KVEventBatch`` (:mod:`kvstore.events.wire`).
+- Replay (optional ROUTER socket): a subscriber that saw a gap sends ``(b"", start)`` from a
+  DEALER or REQ socket (``start``: 8 bytes big-endian); it gets back every batch still buffered
+  from ``start`` on, each as ``(b"", topic, sequence, payload)``, then ``(b"", b"", -1, b"")``.
+
+An endpoint with ``*`` or ``::``, or an ``ipc://``/``inproc://`` one, is bound; any other is
+connected to (a router's or proxy's bound SUB socket): vLLM's rule. A connecting publisher holds
+its first batch until the subscriber's subscription has come (at most ``subscriber_wait``
+seconds): a PUB socket drops what it sends before then, and ``kvstore gc`` publishes once, at
+once. A bound one does not wait (subscribers that join late ask the replay socket).
+The replay socket is always bound. ``tcp://*:0`` binds a free port, which :attr:`EventPublisher.endpoint` then names.
+
+:meth:`EventPublisher.publish` never blocks and never raises for a slow subscriber: events go
+into a bounded queue, and one thread sends them, batched for up to ``flush_interval`` seconds.
+A full queue drops the events, counted in ``dropped``: the engine never waits on a router.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from kvstore.errors import ConfigError
+from kvstore.events.wire import KVEvent, KVEventBatch, encode_batch
+
+log = logging.getLogger("kvstore.events")
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+BATCH_EVENTS = 512  # at most this many events in one batch
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """The endpoint of data-parallel rank ``rank``: its TCP port plus ``rank`` (vLLM's rule; port 0 stays 0)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if port == "0" else f"{base}:{int(port) + rank}"
+
+
+def binds(endpoint: str) -> bool:
+    """Whether an endpoint is bound (wildcards, ipc, inproc) rather than connected to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class EventPublisher:
+    """Sends batches of events to subscribers (see the module docstring). Thread-safe ``publish``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        data_parallel_rank: int | None = None,
+        buffer_batches: int = 10_000,
+        max_queue: int = 100_000,
+        hwm: int = 100_000,
+        flush_interval: float = 0.01,
+        linger: float = 1.0,
+        subscriber_wait: float = 5.0,
+        option: str = "endpoint",
+    ) -> None:
+        """Opens the sockets (a ConfigError naming ``events.<option>`` if one cannot be opened), starts the thread."""
+        self.topic = topic
+        self._topic = topic.encode()
+        self._rank = data_parallel_rank
+        self._flush_interval = flush_interval
+        self._linger_ms = int(linger * 1000)
+        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(maxsize=max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self.batches = 0  # sent
+        self.events = 0  # sent
+        self.dropped = 0  # events refused by a full queue, or published after close
+        self._context = zmq.Context.instance()
+        # XPUB: a PUB that also hears subscriptions (subscribers see no difference)
+        self._pub = self._context.socket(zmq.XPUB)
+        self._subscribed = False
+        self._subscriber_wait = subscriber_wait
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            self.endpoint = self._open(self._pub, endpoint, option)
+            self._connects = not binds(endpoint)
+            if replay_endpoint:  # always bound: subscribers come to it
+                self._replay = self._context.socket(zmq.ROUTER)
+                self.replay_endpoint: str | None = self._open(self._replay, replay_endpoint, "replay_endpoint", True)
+            else:
+                self.replay_endpoint = None
+        except BaseException:
+            self._close_sockets(0)
+            raise
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _open(socket: zmq.Socket[bytes], endpoint: str, option: str, bind: bool = False) -> str:
+        try:
+            if bind or binds(endpoint):
+                socket.bind(endpoint)
+                return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            socket.connect(endpoint)
+            return endpoint
+        except zmq.ZMQError as exc:
+            raise ConfigError(
+                f"events.{option} = {endpoint!r} cannot be opened ({exc}); bind a free port ('tcp://*:5567', "
+                "'tcp://*:0' for any) or connect to a subscriber's address ('tcp://router-host:5567')"
+            ) from None
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        """Queue events for the next batch; never blocks (a full queue drops them, counted)."""
+        if not events:
+            return
+        if self._closed:
+            self.dropped += len(events)
+            return
+        try:
+            self._queue.put_nowait(list(events))
+        except queue.Full:
+            self.dropped += len(events)
+
+    def close(self) -> None:
+        """Send what is queued, then close (a connected socket keeps trying for ``linger`` seconds)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)  # the thread sends everything before it, then stops
+        self._thread.join()
+        self._close_sockets(self._linger_ms)
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pending: list[KVEvent] = []
+        due: float | None = None  # when the pending events are sent
+        stopping = False
+        while not stopping:
+            self._take_subscriptions(0)
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            wait = 0.05 if due is None else max(0.0, due - time.monotonic())
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                item = []
+            if item is None:
+                stopping = True
+            elif item:
+                pending.extend(item)
+                due = due or time.monotonic() + self._flush_interval
+                while len(pending) < BATCH_EVENTS:  # what else is queued joins the batch
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stopping = True
+                        break
+                    pending.extend(more)
+            if pending and (stopping or len(pending) >= BATCH_EVENTS or time.monotonic() >= (due or 0)):
+                while pending:
+                    self._send(pending[:BATCH_EVENTS])
+                    del pending[:BATCH_EVENTS]
+                due = None
+
+    def _take_subscriptions(self, timeout_ms: int) -> None:
+        """Read the subscriptions that came (within ``timeout_ms``): they only say a subscriber is there."""
+        while self._pub.poll(timeout_ms):
+            self._pub.recv()
+            self._subscribed = True
+            timeout_ms = 0
+
+    def _send(self, events: list[KVEvent]) -> None:
+        if self._connects and not self._subscribed and self.batches == 0:
+            self._take_subscriptions(int(self._subscriber_wait * 1000))
+        sequence = self.batches
+        payload = encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
+        try:
+            self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
+        except zmq.ZMQError as exc:  # never the engine's problem: the batch stays in the replay buffer
+            log.debug("kvstore events: batch %d not sent (%s)", sequence, exc)
+        self._buffer.append((sequence, payload))
+        self.batches += 1
+        self.events += len(events)
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.debug("kvstore events: a malformed replay request (%d frames) is ignored", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for sequence, payload in list(self._buffer):
+            if sequence >= first:
+                self._replay.send_multipart((client, b"", self._topic, sequence.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
