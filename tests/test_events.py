@@ -13,12 +13,14 @@ import hashlib
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
+from support import TEST_BUCKET
 
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.errors import ConfigError
@@ -87,10 +89,11 @@ def test_batches_are_framed_as_vllm_frames_them(router):
 
 def test_a_subscriber_that_missed_batches_gets_them_from_the_replay_socket():
     context = zmq.Context.instance()
-    publisher = EventPublisher("tcp://127.0.0.1:9", replay_endpoint="tcp://127.0.0.1:*", topic="t", linger=0)
+    publisher = EventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="t", linger=0)
     for i in range(3):  # three batches, none seen by any subscriber: each published once the one before was sent
         publisher.publish([BlockRemoved(block_hashes=[i], medium="CPU")])
-        while publisher.batches <= i:
+        deadline = time.monotonic() + WAIT_S  # a bound, not an expectation
+        while publisher.batches <= i and time.monotonic() < deadline:
             time.sleep(0.001)
     dealer = context.socket(zmq.DEALER)
     try:
@@ -112,10 +115,10 @@ def test_a_subscriber_that_missed_batches_gets_them_from_the_replay_socket():
 def test_an_endpoint_that_cannot_be_opened_names_the_option(tmp_path):
     with pytest.raises(ConfigError, match=r"events.endpoint = 'tcp://\*:notaport'"):
         EventPublisher("tcp://*:notaport")
-    held = EventPublisher("tcp://127.0.0.1:9", replay_endpoint="tcp://127.0.0.1:*", linger=0)
+    held = EventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", linger=0)
     try:
         with pytest.raises(ConfigError, match="events.replay_endpoint"):  # its port is taken
-            EventPublisher("tcp://127.0.0.1:9", replay_endpoint=held.replay_endpoint, linger=0)
+            EventPublisher("tcp://127.0.0.1:*", replay_endpoint=held.replay_endpoint, linger=0)
     finally:
         held.close()
 
@@ -189,24 +192,40 @@ def test_a_store_publishes_each_tiers_stores_and_removals(tmp_path, router):
     )
 
 
-def test_the_disk_budgets_evictions_are_published(tmp_path, router):
-    address = router.address
-    settings = config(tmp_path, address, slots=4)
+def test_the_disk_budgets_evictions_are_published_under_the_names_the_headers_keep(tmp_path, router):
+    """After a restart the store no longer remembers the engine's names: the evicted files' headers give them."""
+    settings = config(tmp_path, router.address, slots=4)
     settings.disk.codec = "identity"
-    settings.disk.capacity = 2 * (4096 + LAYOUT.chunk_nbytes) + 100  # two chunk files, header and all
 
-    async def run() -> list[str]:
+    async def fill(keys: list[str], named: dict[str, int]) -> None:
         async with KVStore(settings, LAYOUT, namespace="m") as store:
-            keys = store.chunk_keys(list(range(48)))
             for i, key in enumerate(keys):
+                if key in named:
+                    store.events.attribute(key, ChunkIdentity(named[key], None, range(16)))
                 assert await store.put(key, chunk(i))
                 await store.flush()
-            return keys
 
-    keys = asyncio.run(run())
-    events = router.events_until(lambda e: isinstance(e, BlockRemoved) and e.medium == "CPU")  # the store's close
-    removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
-    assert [e.block_hashes for e in removed] == [[key_to_bytes(keys[0])]]
+    keys = KVStore(settings, LAYOUT, namespace="m").chunk_keys(list(range(48)))
+    asyncio.run(fill(keys[:2], {keys[0]: 11}))
+    settings.disk.capacity = 2 * (4096 + LAYOUT.chunk_nbytes) + 100  # two chunk files, header and all
+    asyncio.run(fill(keys[2:], {}))  # a new store: the third file evicts the oldest, named 11 in its header
+    second_close = [key_to_bytes(keys[2])]  # after the second store's eviction, on its connection
+    events = router.events_until(lambda e: isinstance(e, BlockRemoved) and e.block_hashes == second_close)
+    removed = [e.block_hashes for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
+    assert removed == [[11]]
+
+
+def test_a_failed_batch_costs_its_events_not_the_publisher(router):
+    publisher = EventPublisher(router.address, topic="t")
+    unencodable = BlockStored([1], None, [], 16, None, "CPU", None, extra_keys=[(object(),)])
+    publisher.publish([unencodable])
+    publisher.publish([AllBlocksCleared()])
+    [(_, seq, batch)] = router.receive(1)
+    assert (seq, batch.events) == (0, [AllBlocksCleared()])  # the thread goes on; the bad batch took no number
+    publisher.close()
+    assert publisher.dropped == 1
+    publisher.publish([AllBlocksCleared()])  # after close: dropped, counted, never raised
+    assert publisher.dropped == 2
 
 
 def test_events_off_open_no_socket(tmp_path):
@@ -235,3 +254,30 @@ def test_the_engines_name_rides_in_the_header_padding_old_readers_skip():
     many = KVLayout(num_layers=125, num_kv_heads=1, head_dim=8, dtype=torch.float16, chunk_tokens=16)
     full = [Segment(i * 10, 10, many.layer_nbytes, 0) for i in range(125)]  # 6 bytes of padding: no room
     assert header_name(encode_header(many, key, "identity", full, name=5)) is None
+
+
+def test_the_remote_tiers_publish_their_stores_as_remote(tmp_path, router, redis_server, moto_server, monkeypatch):
+    """A chunk written to real Redis and S3 servers is stored there as REDIS and S3, locality REMOTE."""
+    for name, value in moto_server.credentials_env().items():
+        monkeypatch.setenv(name, value)
+    settings = StoreConfig(
+        dram={"capacity": 2 * LAYOUT.chunk_nbytes},
+        disk={"enabled": False},
+        redis={"enabled": True, "url": redis_server.url, "prefix": f"events-{uuid.uuid4().hex[:8]}"},
+        s3={"enabled": True, "bucket": TEST_BUCKET, "prefix": f"events-{uuid.uuid4().hex[:8]}", "create_bucket": True},
+        events={"enabled": True, "endpoint": router.address},
+    )
+
+    async def run() -> str:
+        async with KVStore(settings, LAYOUT, namespace="m") as store:
+            [key] = store.chunk_keys(list(range(16)))
+            assert await store.put(key, chunk(1))
+            await store.flush()
+            return key
+
+    key = asyncio.run(run())
+    events = router.events_until(lambda e: isinstance(e, BlockRemoved) and e.medium == "CPU")
+    stored = {
+        (e.medium, e.locality) for e in events if isinstance(e, BlockStored) and e.block_hashes == [key_to_bytes(key)]
+    }
+    assert stored == {("CPU", "LOCAL"), ("REDIS", "REMOTE"), ("S3", "REMOTE")}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sglang_env import run_sglang_support_tests
 
-CONTRACT_TESTS = 13
+CONTRACT_TESTS = 14
 
 
 def test_hicache_backend_keeps_sglangs_storage_contract(sglang_python: Path) -> None:

@@ -69,6 +69,9 @@ class ObjectRead(Generic[T]):
     from_requests: Callable[[], Awaitable[T | None]]
 
 
+EVICTED_HEAD_BYTES = 4096  # a chunk header of up to ~120 layers (kvstore.storage.container)
+
+
 class Backend(Maintenance, ABC):
     """A store of opaque objects under keys; see the module docstring for what a backend must provide.
 
@@ -84,11 +87,14 @@ class Backend(Maintenance, ABC):
       streams coalesce consecutive layers up to this size (0: one layer per request).
 
     A backend that evicts objects itself (the disk tier's byte budget) calls ``on_evicted`` with
-    their keys, from whatever thread evicts; the chunk tier sets it (KV events: kvstore.events).
+    their keys and, where ``evicted_heads`` is set, each object's first ``EVICTED_HEAD_BYTES``
+    read just before its removal (else None), from whatever thread evicts. The chunk tier sets
+    both (KV events, :mod:`kvstore.events`: the head names the chunk as its engine did).
     """
 
     name: ClassVar[str]
-    on_evicted: Callable[[Sequence[str]], None] = staticmethod(lambda keys: None)
+    on_evicted: Callable[[Sequence[str], Sequence[bytes | None]], None] = staticmethod(lambda keys, heads: None)
+    evicted_heads: bool = False
     is_local: ClassVar[bool] = False
     range_request_bytes: ClassVar[int] = 0
     capacity_bytes: int | None = None

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvstore.backends.base import (
+    EVICTED_HEAD_BYTES,
     Backend,
     ByteRange,
     ObjectFile,
@@ -98,9 +99,18 @@ class DiskBackend(DiskMaintenance, Backend):
         self._budget.on_evicted = self._evicted
 
     def _evicted(self, relative: str) -> None:
+        """Tell ``on_evicted`` of a file the budget evicts, with its head where asked (before its removal)."""
         key = chunk_key_of(relative.rpartition("/")[2])
-        if key is not None:
-            self.on_evicted([key])
+        if key is None:
+            return
+        head: bytes | None = None
+        if self.evicted_heads:
+            try:
+                with open(f"{self._root_text}/{relative}", "rb") as file:
+                    head = file.read(EVICTED_HEAD_BYTES)
+            except OSError:
+                head = None
+        self.on_evicted([key], [head])
 
     # -- paths -------------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ class FileBudget:
         self._policy: EvictionPolicy[str] = make_policy(eviction, max(1, capacity))  # the index's eviction order
         self.used = 0  # the index's bytes plus those reserved by writes in flight
         self.evictions = self.disk_full = 0
-        self.on_evicted: Callable[[str], None] = lambda relative: None  # told each file evicted (the lock held)
+        # told each file evicted, just before its removal (the lock held)
+        self.on_evicted: Callable[[str], None] = lambda relative: None
 
     @property
     def eviction(self) -> str:
@@ -133,8 +134,8 @@ class FileBudget:
             return False
         self.used -= self._index.pop(victim)
         self.evictions += 1
+        self.on_evicted(victim)  # before the file goes: it may be read for its name
         unlink_quietly(f"{self.root}/{victim}")
-        self.on_evicted(victim)
         return True
 
     def stats(self) -> dict[str, int | float | str]:

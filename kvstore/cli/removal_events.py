@@ -140,6 +140,15 @@ def removal_events(config: StoreConfig, namespaces: Iterable[str]) -> Iterator[R
     if not config.events.enabled:
         yield None
         return
+    if not config.events.model and "{model}" in config.events.topic:
+        from kvstore.cli.console import errors
+
+        errors.print(
+            "kvstore: events.model is not set: removals are published under each namespace as the model; "
+            "an engine publishes under its model's name (vLLM: the served model name). Set events.model "
+            "(and events.engine_id, where this is not the engine's host) to the engine's, so routers match them",
+            highlight=False,
+        )
     events = RemovalEvents(config.events, namespaces)
     try:
         yield events

@@ -85,11 +85,15 @@ class KVStore:
         # waits behind (or, on a frozen disk, forever on) the I/O threads' file reads and writes.
         self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
         adaptive = config.adaptive
-        # KV events for routers (kvstore.events): published from open() to close(), when enabled
-        self.events: ChunkEvents | NoEvents = (
-            ChunkEvents(layout.chunk_tokens, config.events.remembered_chunks) if config.events.enabled else NO_EVENTS
-        )
         most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
+        # KV events for routers (kvstore.events): published from open() to close(), when enabled. The
+        # engine's names are remembered for twice the chunks DRAM holds at most, at least.
+        remembered = max(
+            config.events.remembered_chunks, 2 * (most or int(config.dram.capacity)) // layout.chunk_nbytes
+        )
+        self.events: ChunkEvents | NoEvents = (
+            ChunkEvents(layout.chunk_tokens, remembered) if config.events.enabled else NO_EVENTS
+        )
         self.pool = SlabPool(
             layout,
             int(config.dram.capacity),
@@ -175,14 +179,14 @@ class KVStore:
             raise RuntimeError(f"KVStore.open() on a store that is {self._state}")
         if self.config.metrics.enabled:  # first: a port already taken stops the store before any I/O
             self.metrics_port = metrics.start_exporter(self.config.metrics.address, self.config.metrics.port)
-        if isinstance(self.events, ChunkEvents):  # a socket that cannot be opened stops the store here
-            self.events.start(open_publisher(self.config.events, self.namespace))
         # Before any I/O too: a trace path that fails stops the store here.
         self._tracker = make_tracker(self.config.adaptive, self.layout, self.namespace, self.pool.capacity_bytes)
         if self.config.adaptive.auto:
             assert self._tracker is not None  # auto mode always tracks
             self._auto = AutoMode(self, self._tracker, self.config.adaptive, self.config.dram_bounds(), self.adaptive)
         try:
+            if isinstance(self.events, ChunkEvents):  # a socket that cannot be opened stops the store here
+                self.events.start(open_publisher(self.config.events, self.namespace))
             for tier in self.tiers:
                 await tier.open()
                 if not tier.codec.lossless:  # allowed by the config's allow_lossy; said once, where logs are read
@@ -191,7 +195,7 @@ class KVStore:
                     )
         except BaseException:
             if isinstance(self.events, ChunkEvents):  # its socket is freed for the next try
-                self.events.close()
+                await asyncio.to_thread(self.events.close)
             raise
         self._cascade.start()
         self._state = "open"
@@ -236,7 +240,7 @@ class KVStore:
         self.transfers.close()
         if isinstance(self.events, ChunkEvents):  # the DRAM tier goes with the store; the others keep theirs
             self.events.removed(DRAM_MEDIUM, self.pool.keys())
-            self.events.close()
+            await asyncio.to_thread(self.events.close)  # bounded (EventPublisher.close), off the loop
         self._state = "closed"
         metrics.unregister(self)
 

@@ -1,4 +1,4 @@
-"""What the store tells routers: a chunk stored on a tier, removed from one, everything cleared.
+"""What the store tells routers: a chunk stored on a tier, or removed from one.
 
 The DRAM pool and every tier call a :class:`TierEvents` (``stored`` / ``removed``) when a chunk
 becomes durable on them or leaves them; :class:`ChunkEvents` turns those calls into vLLM's events
@@ -15,8 +15,11 @@ is the shape vLLM itself uses for a block that spans several hash blocks. A chun
 attributed is called by its kvstore key (32 bytes: a SHA-256/BLAKE2 digest of the namespace and
 the prefix), with no tokens.
 
-Identities are remembered per key (a bounded map, least recently attributed first out) so that
-a later write to a slower tier, an eviction or a removal names the chunk as its store did.
+Identities are remembered per key (a bounded map, least recently attributed first out; the
+store keeps at least twice its DRAM tier's chunks) so that a later write to a slower tier, an
+eviction or a removal names the chunk as its store did. The name is also kept in each chunk's
+header (:func:`kvstore.storage.container.header_name`): the disk tier's evictions and ``kvstore
+gc`` read it from there, so a chunk long forgotten here is still removed under its engine's name.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from kvstore.events.wire import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
     REMOTE,
-    AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
@@ -78,8 +80,11 @@ class TierEvents(Protocol):
     def stored(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
         """``keys`` are now durable on ``medium`` (written there, or found there already)."""
 
-    def removed(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
-        """``keys`` left ``medium`` (evicted, removed as corrupt, collected, or the tier closed)."""
+    def removed(
+        self, medium: Medium, keys: Sequence[ChunkKey], names: Sequence[BlockHash | None] | None = None
+    ) -> None:
+        """``keys`` left ``medium`` (evicted, removed as corrupt, collected, or the tier closed); ``names``:
+        the engine's names their headers kept, where read (for chunks whose identity is no longer remembered)."""
 
     def name_of(self, key: ChunkKey) -> BlockHash | None:
         """The engine's name for ``key``'s chunk, if one attributed it: written into the chunk's header."""
@@ -97,7 +102,9 @@ class NoEvents:
     def stored(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
         pass
 
-    def removed(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
+    def removed(
+        self, medium: Medium, keys: Sequence[ChunkKey], names: Sequence[BlockHash | None] | None = None
+    ) -> None:
         pass
 
     def name_of(self, key: ChunkKey) -> BlockHash | None:
@@ -153,17 +160,23 @@ class ChunkEvents:
         identity = self.identity(key)
         return identity.block_hash if identity is not None else None
 
-    def block_hash(self, key: ChunkKey) -> BlockHash:
-        """The hash events give ``key``'s chunk: its engine's, else the key's own 32 bytes."""
-        identity = self.identity(key)
-        return identity.block_hash if identity is not None else key_to_bytes(key)
-
     def stored(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
         self._publish([self._stored(medium, key) for key in keys])
 
-    def removed(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
-        if keys:
-            self.removed_hashes(medium, [self.block_hash(key) for key in keys])
+    def removed(
+        self, medium: Medium, keys: Sequence[ChunkKey], names: Sequence[BlockHash | None] | None = None
+    ) -> None:
+        if not keys:
+            return
+        hashes = []
+        for i, key in enumerate(keys):
+            identity = self.identity(key)
+            name = names[i] if names is not None else None
+            if identity is not None:
+                hashes.append(identity.block_hash)
+            else:
+                hashes.append(name if name is not None else key_to_bytes(key))
+        self.removed_hashes(medium, hashes)
 
     def removed_hashes(self, medium: Medium, hashes: Sequence[BlockHash]) -> None:
         """Chunks named by their hashes left ``medium`` (what ``kvstore gc`` and ``verify`` know of them)."""
@@ -178,10 +191,6 @@ class ChunkEvents:
                     )
                 ]
             )
-
-    def cleared(self) -> None:
-        """Every chunk this publisher advertised is gone (``AllBlocksCleared``)."""
-        self._publish([AllBlocksCleared()])
 
     def _stored(self, medium: Medium, key: ChunkKey) -> BlockStored:
         identity = self.identity(key)

@@ -4,8 +4,9 @@
   UTF-8, the batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher), the
   msgpack ``KVEventBatch`` (:mod:`kvstore.events.wire`).
 - Replay (optional ROUTER socket): a subscriber that saw a gap sends ``(b"", start)`` from a
-  DEALER or REQ socket (``start``: 8 bytes big-endian); it gets back every batch still buffered
-  from ``start`` on, each as ``(b"", topic, sequence, payload)``, then ``(b"", b"", -1, b"")``.
+  DEALER socket (``start``: 8 bytes big-endian; a REQ socket would take one reply only); it gets
+  back every batch still buffered from ``start`` on, each as ``(b"", topic, sequence, payload)``,
+  then ``(b"", b"", -1, b"")``.
 
 An endpoint with ``*`` or ``::``, or an ``ipc://``/``inproc://`` one, is bound; any other is
 connected to (a router's or proxy's bound SUB socket): vLLM's rule. A connecting publisher holds
@@ -45,6 +46,8 @@ def offset_port(endpoint: str, rank: int) -> str:
     if endpoint.startswith(("ipc://", "inproc://")):
         return f"{endpoint}_dp{rank}"
     base, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"events endpoint {endpoint!r} has no TCP port to offset for data-parallel rank {rank}")
     return endpoint if port == "0" else f"{base}:{int(port) + rank}"
 
 
@@ -101,6 +104,9 @@ class EventPublisher:
             self._close_sockets(0)
             raise
         self._closed = False
+        self._stop = False  # set by close(): the thread stops at its next turn
+        self._lock = threading.Lock()  # publish against close, and the counters publishers write
+        self._failed = False  # a batch could not be encoded or sent: said once
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
 
@@ -119,25 +125,37 @@ class EventPublisher:
             ) from None
 
     def publish(self, events: Sequence[KVEvent]) -> None:
-        """Queue events for the next batch; never blocks (a full queue drops them, counted)."""
+        """Queue events for the next batch; never blocks (a full queue, or a closed publisher, drops them, counted)."""
         if not events:
             return
-        if self._closed:
-            self.dropped += len(events)
-            return
-        try:
-            self._queue.put_nowait(list(events))
-        except queue.Full:
+        with self._lock:
+            if not self._closed:
+                try:
+                    self._queue.put_nowait(list(events))
+                    return
+                except queue.Full:
+                    pass
             self.dropped += len(events)
 
     def close(self) -> None:
-        """Send what is queued, then close (a connected socket keeps trying for ``linger`` seconds)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)  # the thread sends everything before it, then stops
-        self._thread.join()
-        self._close_sockets(self._linger_ms)
+        """Send what is queued, then close; never hangs: at most ``subscriber_wait`` + ``linger`` + 1 s.
+
+        A connected socket keeps sending for ``linger`` seconds after (ZeroMQ's own thread).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._queue.put(None, timeout=1.0)  # the thread sends everything before it, then stops
+        except queue.Full:  # the thread is gone or stuck: what is queued is dropped
+            self._stop = True
+        self._thread.join(timeout=self._subscriber_wait + 1.0)
+        self._stop = True  # a thread still running stops at its next turn, and sends nothing more
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+        if not self._thread.is_alive():  # sockets belong to the thread while it runs
+            self._close_sockets(self._linger_ms)
 
     def _close_sockets(self, linger_ms: int) -> None:
         self._pub.close(linger=linger_ms)
@@ -147,38 +165,63 @@ class EventPublisher:
     # -- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Send batches until closed; any failure is logged once and costs its batch, never the thread."""
         pending: list[KVEvent] = []
         due: float | None = None  # when the pending events are sent
         stopping = False
-        while not stopping:
-            self._take_subscriptions(0)
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
-            wait = 0.05 if due is None else max(0.0, due - time.monotonic())
+        while not stopping and not self._stop:
             try:
-                item = self._queue.get(timeout=wait)
-            except queue.Empty:
-                item = []
-            if item is None:
-                stopping = True
-            elif item:
-                pending.extend(item)
-                due = due or time.monotonic() + self._flush_interval
-                while len(pending) < BATCH_EVENTS:  # what else is queued joins the batch
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stopping = True
-                        break
-                    pending.extend(more)
-            if pending and (stopping or len(pending) >= BATCH_EVENTS or time.monotonic() >= (due or 0)):
-                while pending:
-                    self._send(pending[:BATCH_EVENTS])
-                    del pending[:BATCH_EVENTS]
+                stopping, due = self._turn(pending, due)
+            except Exception as exc:
+                self._dropped_batch(pending, exc)
+                pending.clear()
                 due = None
+
+    def _turn(self, pending: list[KVEvent], due: float | None) -> tuple[bool, float | None]:
+        """One turn of the thread: subscriptions, replay requests, the queue; (stopping, when pending is due)."""
+        stopping = False
+        self._take_subscriptions(0)
+        if self._replay is not None:
+            while self._replay.poll(0):
+                self._serve_replay()
+        wait = 0.05 if due is None else max(0.0, due - time.monotonic())
+        try:
+            item = self._queue.get(timeout=wait)
+        except queue.Empty:
+            item = []
+        if item is None:
+            stopping = True
+        elif item:
+            pending.extend(item)
+            due = due or time.monotonic() + self._flush_interval
+            while len(pending) < BATCH_EVENTS:  # what else is queued joins the batch
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                pending.extend(more)
+        if pending and (stopping or len(pending) >= BATCH_EVENTS or time.monotonic() >= (due or 0)):
+            while pending:
+                batch = pending[:BATCH_EVENTS]
+                del pending[:BATCH_EVENTS]
+                try:
+                    self._send(batch)
+                except Exception as exc:
+                    self._dropped_batch(batch, exc)
+            due = None
+        return stopping, due
+
+    def _dropped_batch(self, events: list[KVEvent], exc: Exception) -> None:
+        with self._lock:
+            self.dropped += len(events)
+        if not self._failed:
+            self._failed = True
+            log.warning(
+                "kvstore events: %d events dropped (%r); later failures are counted in dropped", len(events), exc
+            )
 
     def _take_subscriptions(self, timeout_ms: int) -> None:
         """Read the subscriptions that came (within ``timeout_ms``): they only say a subscriber is there."""
@@ -191,7 +234,13 @@ class EventPublisher:
         if self._connects and not self._subscribed and self.batches == 0:
             self._take_subscriptions(int(self._subscriber_wait * 1000))
         sequence = self.batches
-        payload = encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
+        try:
+            payload = encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
+        except (TypeError, ValueError, OverflowError):  # an event msgpack cannot carry: it goes, not its batch
+            events = [event for event in events if self._encodable(event)]
+            if not events:
+                return
+            payload = encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
         try:
             self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
         except zmq.ZMQError as exc:  # never the engine's problem: the batch stays in the replay buffer
@@ -199,6 +248,14 @@ class EventPublisher:
         self._buffer.append((sequence, payload))
         self.batches += 1
         self.events += len(events)
+
+    def _encodable(self, event: KVEvent) -> bool:
+        try:
+            encode_batch(KVEventBatch(ts=0.0, events=[event]))
+            return True
+        except (TypeError, ValueError, OverflowError) as exc:
+            self._dropped_batch([event], exc)
+            return False
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -31,12 +31,13 @@ from kvstore.codecs import CodecPipeline
 from kvstore.codecs.base import SegmentSpec
 from kvstore.config import BreakerConfig
 from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChunkError
-from kvstore.events import NO_EVENTS, Medium, TierEvents
+from kvstore.events import NO_EVENTS, Medium, NoEvents, TierEvents
+from kvstore.events.wire import BlockHash
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
 from kvstore.storage.chunk_reads import NO_FENCE, ChunkReads, Guard, LossyRead, ReadOutcome
-from kvstore.storage.container import encode_chunk
+from kvstore.storage.container import encode_chunk, header_name
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.health import UNGUARDED, Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
@@ -80,14 +81,20 @@ class ChunkTier:
         self._reads = ChunkReads(backend, layout, codec, cipher, executor)  # each object's bytes read and checked
         self.medium = Medium.of_tier(self.name, backend.is_local)  # what KV events call this tier
         self.events: TierEvents = NO_EVENTS
+        self._writes = 0  # write batches in flight
+        self._evicted_while_writing: set[ChunkKey] = set()  # their chunks are not told stored after the fact
         backend.on_evicted = self._evicted
 
     def report_to(self, events: TierEvents) -> None:
         """Tell ``events`` of every chunk written here (stored) and evicted or removed as corrupt (removed)."""
         self.events = events
+        self.backend.evicted_heads = not isinstance(events, NoEvents)  # the evicted chunks' names
 
-    def _evicted(self, keys: Sequence[ChunkKey]) -> None:
-        self.events.removed(self.medium, keys)
+    def _evicted(self, keys: Sequence[ChunkKey], heads: Sequence[bytes | None]) -> None:
+        """The backend evicted ``keys`` (from any thread): removed, named by their headers where read."""
+        if self._writes:
+            self._evicted_while_writing.update(keys)
+        self.events.removed(self.medium, keys, [_name_in(head) for head in heads])
 
     def _refuse_a_codec_for_other_values(self) -> None:
         """ConfigError, at start, for a codec that cannot encode this layout's values (e.g. fp8 on fp8 KV).
@@ -273,13 +280,20 @@ class ChunkTier:
             )
             for (key, chunk), codec in zip(items, chosen, strict=True)
         ]
-        if self.is_local and len(writes) > 1:
-            slices = await asyncio.gather(
-                *(self.backend.write_many(part, self.executor) for part in _split(writes, self.parallel_writes))
-            )
-            outcomes = [outcome for part in slices for outcome in part]
-        else:
-            outcomes = await self.backend.write_many(writes, self.executor)
+        self._writes += 1
+        try:
+            if self.is_local and len(writes) > 1:
+                slices = await asyncio.gather(
+                    *(self.backend.write_many(part, self.executor) for part in _split(writes, self.parallel_writes))
+                )
+                outcomes = [outcome for part in slices for outcome in part]
+            else:
+                outcomes = await self.backend.write_many(writes, self.executor)
+        finally:
+            self._writes -= 1
+            evicted = self._evicted_while_writing
+            if not self._writes:
+                self._evicted_while_writing = set()
         results: list[BaseException | None] = []
         durable: list[ChunkKey] = []  # written, or held already
         for (key, _), outcome in zip(items, outcomes, strict=True):
@@ -298,7 +312,8 @@ class ChunkTier:
             else:
                 self.stats.writes += 1
                 self.stats.bytes_written += outcome
-            durable.append(key)
+            if key not in evicted:  # evicted by a parallel write meanwhile: its removal is told already
+                durable.append(key)
             results.append(None)
         self.events.stored(self.medium, durable)
         return results
@@ -449,6 +464,16 @@ class ChunkTier:
             "lossless": self.codec.lossless,
             "breaker": self.breaker.stats(),
         }
+
+
+def _name_in(head: bytes | None) -> BlockHash | None:
+    """The engine's name a chunk header keeps (kvstore.storage.container), if ``head`` holds one."""
+    if head is None:
+        return None
+    try:
+        return header_name(head)
+    except ChunkFormatError:
+        return None
 
 
 def _split(items: list[T], groups: int) -> list[list[T]]:

@@ -10,6 +10,7 @@ disk directory: what a restarted SGLang, or another rank, sees. Run by tests/tes
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -291,3 +292,48 @@ def test_the_interfaces_not_served_say_why(tmp_path: Path) -> None:
         made.batch_get(page_keys(1), [torch.zeros(8)])
     with pytest.raises(NotImplementedError, match="sidecar pools"):
         made.batch_exists_v2(page_keys(1), [])
+
+
+def test_with_events_on_only_the_first_rank_publishes_pages_by_sglangs_hashes(tmp_path: Path) -> None:
+    """Two TP ranks with one events endpoint: rank 1 opens no socket (it would take rank 0's port);
+    rank 0 advertises each page by SGLang's own page hash, parent linked (a router's replay shows it)."""
+    import socket
+
+    import zmq
+
+    from kvstore.events import NO_EVENTS
+    from kvstore.events.wire import decode_batch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    extra = extra_config(tmp_path)
+    extra["kvstore_config"]["events"] = {
+        "enabled": True, "endpoint": f"tcp://*:{port}", "replay_endpoint": "tcp://127.0.0.1:*",
+    }  # fmt: skip
+    first = backend(tmp_path, host_pool(), extra, tp_rank=0, tp_size=2)
+    second = backend(tmp_path / "rank1", host_pool(), extra, tp_rank=1, tp_size=2)  # a second bind would fail
+    assert second.store.store.events is NO_EVENTS
+    keys = page_keys(2)
+    assert first.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    publisher = first.store.store.events.publisher
+    deadline = time.monotonic() + 30  # a bound, not an expectation
+    while publisher.batches == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(publisher.replay_endpoint)
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    stored, topics = [], set()
+    while True:
+        assert dealer.poll(30_000)
+        _, topic, seq, payload = dealer.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        topics.add(topic)
+        stored += [event for event in decode_batch(payload).events if event.medium == "CPU"]
+    dealer.close(linger=0)
+    assert len(topics) == 1 and topics.pop().endswith(b"@tiny-model")  # SGLang's model name
+    assert [(e.block_hashes, e.parent_block_hash, e.block_size) for e in stored] == [
+        ([bytes.fromhex(keys[0])], None, PAGE),
+        ([bytes.fromhex(keys[1])], bytes.fromhex(keys[0]), PAGE),
+    ]

@@ -65,6 +65,7 @@ from kvstore.connectors.identity import default_namespace
 from kvstore.connectors.sglang.host_pages import HostPages
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.events import ChunkEvents, ChunkIdentity
 from kvstore.keys import ChunkKey, namespace_seed
 from kvstore.layout import dtype_name
 
@@ -126,6 +127,25 @@ def shard_suffix(storage_config: HiCacheStorageConfig) -> str:
     return "".join(parts)
 
 
+def events_of_rank(config: StoreConfig, storage_config: HiCacheStorageConfig, is_writer: bool) -> StoreConfig:
+    """The config of this rank's store with KV events set for it (``config`` itself when events are off).
+
+    One rank per data-parallel rank publishes: the writer of the first tensor, pipeline and context
+    parallel rank (the others would bind the same port, or repeat its events); the DP rank is in
+    its batches and its ports (:mod:`kvstore.events`), the model's name in its topic.
+    """
+    if not config.events.enabled:
+        return config
+    config = config.model_copy(deep=True)
+    first = storage_config.tp_rank == 0 and storage_config.pp_rank == 0 and storage_config.attn_cp_rank == 0
+    config.events.enabled = first and is_writer
+    if not config.events.model and storage_config.model_name:
+        config.events.model = storage_config.model_name
+    if storage_config.dp_rank and not config.events.data_parallel_rank:
+        config.events.data_parallel_rank = storage_config.dp_rank
+    return config
+
+
 class KVStoreHiCacheStorage(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` over a :class:`~kvstore.SyncKVStore` (see the module's doc).
 
@@ -157,7 +177,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         namespace = base + shard_suffix(config)
         if self.store is not None:
             self.store.close()
-        self.store = SyncKVStore(self.config, pages.layout, namespace)
+        self.store = SyncKVStore(events_of_rank(self.config, config, self.is_writer), pages.layout, namespace)
         self.pages, self.namespace = pages, namespace
         self._seed = namespace_seed(pages.layout, namespace)
         log.info(
@@ -216,10 +236,23 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         held = self._bounded(store, store.store.lookup(chunk_keys), "lookup") or 0
         taken: list[bool] | None = []
         if held < len(keys):
+            self._name_pages(store, keys, chunk_keys, held)
             taken = self._bounded(store, store.store.put_many(chunk_keys[held:], views[held:]), "put")
         stored = [True] * held + (taken if taken is not None else [False] * (len(keys) - held))
         self._record(self._metrics.backup_pgs, self._metrics.backup_bandwidth, sum(stored) - held, start)
         return stored
+
+    def _name_pages(self, store: SyncKVStore, keys: list[str], chunk_keys: list[ChunkKey], start: int) -> None:
+        """With KV events on, pages from ``start`` on are advertised by SGLang's own page hashes (32 bytes)."""
+        events = store.store.events
+        if not isinstance(events, ChunkEvents):
+            return
+        for i in range(start, len(keys)):
+            try:
+                name, parent = bytes.fromhex(keys[i]), bytes.fromhex(keys[i - 1]) if i else None
+            except ValueError:  # not a SHA-256 hex page hash: the chunk is named by its kvstore key
+                continue
+            events.attribute(chunk_keys[i], ChunkIdentity(name, parent, ()))
 
     def _bounded(self, store: SyncKVStore, work: Coroutine[Any, Any, T], what: str) -> T | None:
         """``work`` on the store's loop, at most ``timeouts.get`` (plus a margin) long; None if it failed or was
@@ -303,6 +336,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         )
 
     batch_exists_v2 = batch_get_v2 = batch_set_v2 = _sidecars
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Refuse a sidecar pool at attach (SGLang fails the attach), not at the model's first request."""
+        if host_pool is getattr(self, "mem_pool_host", None):
+            return super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        raise ConfigError(
+            f"kvstore's SGLang backend stores the KV pool only; this model also has the host pool "
+            f"{host_pool_name!r} (Mamba or SWA state, a DSA indexer), which it cannot store: use another "
+            "HiCache storage backend for this model, or none"
+        )
 
     def exists(self, key: str) -> bool:
         """Whether kvstore holds the page ``key``."""

@@ -163,9 +163,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             prefill_clock=PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens),
             identity=self.identity(),
             counters=self.counters,
-            hash_block_size=(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
-            if options.config.events.enabled
-            else None,
+            hash_block_size=self._hash_block_size(kv_cache_config) if options.config.events.enabled else None,
         )
         # worker side
         self._scheduler_counters: dict[str, int] = {}  # as of the last step's metadata
@@ -239,6 +237,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # One rank on a GPU: loads land on the device (across the bus asynchronously) and are put in place there.
         if self._layers[0].device.type == "cuda" and self.ranks.size == 1:
             self._layer_loads.device = self._layers[0].device
+
+    @staticmethod
+    def _hash_block_size(kv_cache_config: KVCacheConfig) -> int | None:
+        """The tokens of each of vLLM's block hashes, for KV events (None: chunks are named by their keys)."""
+        size = getattr(kv_cache_config, "hash_block_size", None)
+        if not size:
+            log.warning("kvstore: vLLM gave no hash block size: KV events name chunks by their kvstore keys")
+        return size
 
     def identity(self) -> str:
         """Where this side files chunks: its namespace and layout (with the layout's fingerprint)."""
