@@ -36,6 +36,7 @@ from kvstore.connectors.vllm.engine_config import request_extra
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner, PrefillClock
 from kvstore.engine.sync import SyncKVStore
+from kvstore.events import ChunkIdentity
 from kvstore.keys import ChunkKey
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class ConnectorScheduler:
         self.counters = counters
         self._requests: dict[str, RequestState] = {}
         self._unsent_loads: list[LoadSpec] = []  # whole-prefix loads for the next step's metadata
+        self._unsent_names: dict[ChunkKey, ChunkIdentity] = {}  # their chunks' names (KV events)
         # Chunks this scheduler had the worker put into its DRAM tier, newest last: the worker may
         # be another process, whose DRAM the scheduler's lookups cannot see.
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
@@ -206,13 +208,14 @@ class ConnectorScheduler:
         state.loading = (first_chunk, state.load)
         if self.hybrid:  # asynchronous: sent with the next step, which does not schedule the request
             self._unsent_loads.append(state.load)
+            self._name_chunks(self._unsent_names, state, range(first_chunk, first_chunk + len(state.load.keys)))
             state.load = None
         self.counters["hit_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         self._prefill_clock.step(scheduler_output.total_num_scheduled_tokens)
-        meta = KVStoreConnectorMetadata(loads=self._unsent_loads)
-        self._unsent_loads = []
+        meta = KVStoreConnectorMetadata(loads=self._unsent_loads, chunk_identities=self._unsent_names)
+        self._unsent_loads, self._unsent_names = [], {}
         progress: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, and after it)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -222,7 +225,8 @@ class ConnectorScheduler:
             if state.load is not None:
                 meta.loads.append(state.load)
                 if state.loading is not None:
-                    self._name_chunks(meta, state, range(state.loading[0], state.loading[0] + len(state.load.keys)))
+                    first = state.loading[0]
+                    self._name_chunks(meta.chunk_identities, state, range(first, first + len(state.load.keys)))
                 state.load = None
             scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
             progress.append((new.req_id, new.num_computed_tokens, new.num_computed_tokens + scheduled))
@@ -256,7 +260,7 @@ class ConnectorScheduler:
                     self.counters["unsaveable_chunks"] += 1
                     continue
                 meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
-                self._name_chunks(meta, state, range(chunk, chunk + 1))
+                self._name_chunks(meta.chunk_identities, state, range(chunk, chunk + 1))
                 self._saved[state.keys[chunk]] = None
                 self._saved.move_to_end(state.keys[chunk])
                 if len(self._saved) > self._saved_limit:
@@ -268,14 +272,14 @@ class ConnectorScheduler:
         meta.identity = self.identity
         return meta
 
-    def _name_chunks(self, meta: KVStoreConnectorMetadata, state: RequestState, chunks: range) -> None:
-        """With KV events on, send the engine's name for each of ``state``'s ``chunks``."""
+    def _name_chunks(self, names: dict[ChunkKey, ChunkIdentity], state: RequestState, chunks: range) -> None:
+        """With KV events on, add the engine's name for each of ``state``'s ``chunks`` to ``names``."""
         if self._hash_block_size is None or state.request is None:
             return
         for chunk in chunks:
             identity = chunk_identity(state.request, chunk, self.chunk_tokens, self._hash_block_size)
             if identity is not None:
-                meta.chunk_identities[state.keys[chunk]] = identity
+                names[state.keys[chunk]] = identity
 
     def _saved_runs(self, state: RequestState, chunk: int, computed_tokens: int) -> list[BlockRun] | None:
         """Each group's blocks of ``chunk`` (see :func:`saved_blocks`), or None if a group no longer has them all."""
