@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
@@ -92,6 +92,8 @@ class TierEvents(Protocol):
 
 class Publisher(Protocol):
     def publish(self, events: Sequence[KVEvent]) -> None: ...
+
+    def publish_later(self, make: Callable[[], Sequence[KVEvent]], count: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -161,7 +163,10 @@ class ChunkEvents:
         return identity.block_hash if identity is not None else None
 
     def stored(self, medium: Medium, keys: Sequence[ChunkKey]) -> None:
-        self._publish([self._stored(medium, key) for key in keys])
+        publisher = self.publisher
+        if publisher is not None and keys:  # the events are made in the publisher's thread, off the engine's path
+            chunks = tuple(keys)
+            publisher.publish_later(lambda: [self._stored(medium, key) for key in chunks], len(chunks))
 
     def removed(
         self, medium: Medium, keys: Sequence[ChunkKey], names: Sequence[BlockHash | None] | None = None

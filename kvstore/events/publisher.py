@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -80,7 +80,9 @@ class EventPublisher:
         self._rank = data_parallel_rank
         self._flush_interval = flush_interval
         self._linger_ms = int(linger * 1000)
-        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[list[KVEvent] | Callable[[], Sequence[KVEvent]] | None] = queue.Queue(
+            maxsize=max_queue
+        )
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self.batches = 0  # sent
         self.events = 0  # sent
@@ -126,16 +128,23 @@ class EventPublisher:
 
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Queue events for the next batch; never blocks (a full queue, or a closed publisher, drops them, counted)."""
-        if not events:
-            return
+        if events:
+            self._enqueue(list(events), len(events))
+
+    def publish_later(self, make: Callable[[], Sequence[KVEvent]], count: int) -> None:
+        """Queue ``count`` events that the publisher's thread makes (``make()``), off the caller's path."""
+        if count:
+            self._enqueue(make, count)
+
+    def _enqueue(self, item: list[KVEvent] | Callable[[], Sequence[KVEvent]], count: int) -> None:
         with self._lock:
             if not self._closed:
                 try:
-                    self._queue.put_nowait(list(events))
+                    self._queue.put_nowait(item)
                     return
                 except queue.Full:
                     pass
-            self.dropped += len(events)
+            self.dropped += count
 
     def close(self) -> None:
         """Send what is queued, then close; never hangs: at most ``subscriber_wait`` + ``linger`` + 1 s.
@@ -178,41 +187,43 @@ class EventPublisher:
                 due = None
 
     def _turn(self, pending: list[KVEvent], due: float | None) -> tuple[bool, float | None]:
-        """One turn of the thread: subscriptions, replay requests, the queue; (stopping, when pending is due)."""
+        """One turn of the thread: subscriptions, replay requests, then a batch; (stopping, when pending is due).
+
+        The first events of a batch wait ``flush_interval`` for more to join them, the thread asleep
+        meanwhile: one wake-up per batch, not per event (an engine's puts never wait on this thread).
+        """
         stopping = False
         self._take_subscriptions(0)
         if self._replay is not None:
             while self._replay.poll(0):
                 self._serve_replay()
-        wait = 0.05 if due is None else max(0.0, due - time.monotonic())
-        try:
-            item = self._queue.get(timeout=wait)
-        except queue.Empty:
-            item = []
-        if item is None:
-            stopping = True
-        elif item:
-            pending.extend(item)
-            due = due or time.monotonic() + self._flush_interval
-            while len(pending) < BATCH_EVENTS:  # what else is queued joins the batch
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True
-                    break
-                pending.extend(more)
-        if pending and (stopping or len(pending) >= BATCH_EVENTS or time.monotonic() >= (due or 0)):
-            while pending:
-                batch = pending[:BATCH_EVENTS]
-                del pending[:BATCH_EVENTS]
-                try:
-                    self._send(batch)
-                except Exception as exc:
-                    self._dropped_batch(batch, exc)
-            due = None
-        return stopping, due
+        if due is None:
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                return False, None
+            if item is None:
+                return True, None
+            pending.extend(item() if callable(item) else item)
+            due = time.monotonic() + self._flush_interval
+        time.sleep(max(0.0, due - time.monotonic()))
+        while len(pending) < BATCH_EVENTS:  # what else is queued joins the batch
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                stopping = True
+                break
+            pending.extend(more() if callable(more) else more)
+        while pending:
+            batch = pending[:BATCH_EVENTS]
+            del pending[:BATCH_EVENTS]
+            try:
+                self._send(batch)
+            except Exception as exc:
+                self._dropped_batch(batch, exc)
+        return stopping, None
 
     def _dropped_batch(self, events: list[KVEvent], exc: Exception) -> None:
         with self._lock:
