@@ -26,7 +26,6 @@ if [ ! -f "$sglang_stamp" ] || [ "$ROOT/pyproject.toml" -nt "$sglang_stamp" ] \
     || [ "$(cat "$sglang_stamp")" != "$SGLANG_VERSION" ]; then
     sglang_say "installing sglang $SGLANG_VERSION (--no-deps) with torch 2.14.1 into $SGLANG_VENV for the" \
         "SGLang tests (~6 GB installed: a few minutes, once)"
-    "$SGLANG_VENV/bin/pip" install --quiet "torch==2.14.1" "torchvision==0.29.1"
     "$SGLANG_VENV/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
     # What the mem_cache modules import, found by importing them; == sglang's pin where it has one.
     "$SGLANG_VENV/bin/pip" install --quiet "torch==2.14.1" "torchvision==0.29.1" \

@@ -69,7 +69,7 @@ class ObjectRead(Generic[T]):
     from_requests: Callable[[], Awaitable[T | None]]
 
 
-EVICTED_HEAD_BYTES = 4096  # a chunk header of up to ~120 layers (kvstore.storage.container)
+CHUNK_HEAD_BYTES = 4096  # an object's first page: a chunk header of up to ~125 layers, with the engine's name
 
 
 class Backend(Maintenance, ABC):
@@ -87,7 +87,7 @@ class Backend(Maintenance, ABC):
       streams coalesce consecutive layers up to this size (0: one layer per request).
 
     A backend that evicts objects itself (the disk tier's byte budget) calls ``on_evicted`` with
-    their keys and, where ``evicted_heads`` is set, each object's first ``EVICTED_HEAD_BYTES``
+    their keys and, where ``evicted_heads`` is set, each object's first ``CHUNK_HEAD_BYTES``
     read just before its removal (else None), from whatever thread evicts. The chunk tier sets
     both (KV events, :mod:`kvstore.events`: the head names the chunk as its engine did).
     """

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvstore.backends.base import (
-    EVICTED_HEAD_BYTES,
+    CHUNK_HEAD_BYTES,
     Backend,
     ByteRange,
     ObjectFile,
@@ -51,7 +51,7 @@ from kvstore.backends.base import (
 from kvstore.backends.disk_budget import FileBudget
 from kvstore.backends.disk_maintenance import DiskMaintenance
 from kvstore.backends.disk_paths import chunk_key_of, relative_path
-from kvstore.backends.files import FileReader, make_private_dirs, unlink_quietly, walk_files, write_fully
+from kvstore.backends.files import FileReader, make_private_dirs, read_head, unlink_quietly, walk_files, write_fully
 from kvstore.backends.temporaries import temporary_name, temporary_state
 from kvstore.errors import ConfigError
 from kvstore.eviction import DEFAULT_EVICTION, EvictionName
@@ -103,13 +103,7 @@ class DiskBackend(DiskMaintenance, Backend):
         key = chunk_key_of(relative.rpartition("/")[2])
         if key is None:
             return
-        head: bytes | None = None
-        if self.evicted_heads:
-            try:
-                with open(f"{self._root_text}/{relative}", "rb") as file:
-                    head = file.read(EVICTED_HEAD_BYTES)
-            except OSError:
-                head = None
+        head = read_head(f"{self._root_text}/{relative}", CHUNK_HEAD_BYTES) if self.evicted_heads else None
         self.on_evicted([key], [head])
 
     # -- paths -------------------------------------------------------------------------------

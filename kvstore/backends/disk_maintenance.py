@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from kvstore.backends.disk_paths import chunk_key_of, relative_path
-from kvstore.backends.files import walk_files
+from kvstore.backends.files import read_head, walk_files
 from kvstore.backends.maintenance import LIST_PAGE, Maintenance, RemoveReport, StoredObject, pages
 from kvstore.backends.temporaries import TMP_MARK, temporary_name
 from kvstore.util.threads import in_thread
@@ -108,7 +108,7 @@ class DiskMaintenance(Maintenance):
             try:
                 stat = os.stat(aside)
                 if (stat.st_ino, stat.st_mtime_ns) == item.version:
-                    head = _read_head(aside, head_bytes) if head_bytes else None
+                    head = read_head(aside, head_bytes) if head_bytes else None
                     os.unlink(aside)
                     report.count_removed(item, stat.st_size, head)
                     continue
@@ -121,12 +121,3 @@ class DiskMaintenance(Maintenance):
             except OSError as exc:
                 report.errors.append(f"{path}: {exc.strerror}")
         return report
-
-
-def _read_head(path: str, size: int) -> bytes | None:
-    """The file's first ``size`` bytes; None if it cannot be read (it is removed all the same)."""
-    try:
-        with open(path, "rb", buffering=0) as file:
-            return file.read(size)
-    except OSError:
-        return None

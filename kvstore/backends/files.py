@@ -88,6 +88,15 @@ def _scandir_quietly(directory: Path) -> list[os.DirEntry[str]]:
         return []
 
 
+def read_head(path: str | Path, size: int) -> bytes | None:
+    """The file's first ``size`` bytes; None if it cannot be read."""
+    try:
+        with open(path, "rb", buffering=0) as file:
+            return file.read(size)
+    except OSError:
+        return None
+
+
 def unlink_quietly(path: str | Path) -> None:
     """Remove the file if it is there (another process may have removed it first)."""
     try:

@@ -8,7 +8,7 @@ with the tier's ``medium`` and ``locality`` (:meth:`Medium.of_tier`) and ``owner
   its header (:func:`~kvstore.storage.container.header_name`), else by its key's 32 bytes. gc
   has each removed object's first :data:`HEAD_BYTES` read just before its deletion (one small
   read per deleted object, only with events on); verify has read every object whole already.
-  A header longer than :data:`HEAD_BYTES` (a model of over ~250 layers) names the chunk by its key.
+  A header longer than :data:`HEAD_BYTES` (a model of over ~125 layers) names the chunk by its key.
 - **Topics.** A namespace's chunks go under the topic a store of that namespace publishes on:
   ``events.topic`` with ``{model}`` = ``events.model``, else the namespace directory (the
   namespace itself, for a plain name). One publisher per distinct topic.
@@ -26,17 +26,18 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvstore.backends.base import CHUNK_HEAD_BYTES
 from kvstore.config import EventsConfig, StoreConfig
-from kvstore.errors import ChunkFormatError, ConfigError
+from kvstore.errors import ConfigError
 from kvstore.events import ChunkEvents, Medium
 from kvstore.events.wire import BlockHash
 from kvstore.keys import key_to_bytes
-from kvstore.storage.container import HEADER_ALIGN, header_name
+from kvstore.storage.container import name_in_head
 
 if TYPE_CHECKING:
     from kvstore.backends import Backend, RemoveReport
 
-HEAD_BYTES = HEADER_ALIGN  # what gc reads of each object it deletes: every header of up to ~250 layers
+HEAD_BYTES = CHUNK_HEAD_BYTES  # what gc reads of each object it deletes: a header of up to ~125 layers
 SUBSCRIBER_WAIT = 1.0  # seconds a command's events wait for a subscriber once the removal is done
 
 
@@ -47,13 +48,9 @@ def chunk_name(head: bytes | None, key: str) -> BlockHash | None:
     header falls back to the key. None only for an object whose name is no kvstore key, which
     no store can have advertised.
     """
-    if head is not None:
-        try:
-            name = header_name(head)
-        except ChunkFormatError:
-            name = None
-        if name is not None:
-            return name
+    name = name_in_head(head)
+    if name is not None:
+        return name
     try:
         return key_to_bytes(key)
     except ValueError:

@@ -105,6 +105,10 @@ class EventPublisher:
         except BaseException:
             self._close_sockets(0)
             raise
+        self._poller = zmq.Poller()  # the thread's sockets: subscriptions and replay requests come in on them
+        self._poller.register(self._pub, zmq.POLLIN)
+        if self._replay is not None:
+            self._poller.register(self._replay, zmq.POLLIN)
         self._closed = False
         self._stop = False  # set by close(): the thread stops at its next turn
         self._lock = threading.Lock()  # publish against close, and the counters publishers write
@@ -176,37 +180,30 @@ class EventPublisher:
     def _run(self) -> None:
         """Send batches until closed; any failure is logged once and costs its batch, never the thread."""
         pending: list[KVEvent] = []
-        due: float | None = None  # when the pending events are sent
         stopping = False
         while not stopping and not self._stop:
             try:
-                stopping, due = self._turn(pending, due)
+                stopping = self._turn(pending)
             except Exception as exc:
                 self._dropped_batch(pending, exc)
                 pending.clear()
-                due = None
 
-    def _turn(self, pending: list[KVEvent], due: float | None) -> tuple[bool, float | None]:
-        """One turn of the thread: subscriptions, replay requests, then a batch; (stopping, when pending is due).
+    def _turn(self, pending: list[KVEvent]) -> bool:
+        """One turn of the thread: the sockets, then a batch if events came; whether to stop.
 
-        The first events of a batch wait ``flush_interval`` for more to join them, the thread asleep
+        A batch's first events wait ``flush_interval`` for more to join them, the sockets served
         meanwhile: one wake-up per batch, not per event (an engine's puts never wait on this thread).
         """
+        self._serve_sockets(0.0)
+        try:
+            item = self._queue.get(timeout=0.05)
+        except queue.Empty:
+            return False
+        if item is None:
+            return True
+        pending.extend(item() if callable(item) else item)
+        self._serve_sockets(self._flush_interval)
         stopping = False
-        self._take_subscriptions(0)
-        if self._replay is not None:
-            while self._replay.poll(0):
-                self._serve_replay()
-        if due is None:
-            try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                return False, None
-            if item is None:
-                return True, None
-            pending.extend(item() if callable(item) else item)
-            due = time.monotonic() + self._flush_interval
-        time.sleep(max(0.0, due - time.monotonic()))
         while len(pending) < BATCH_EVENTS:  # what else is queued joins the batch
             try:
                 more = self._queue.get_nowait()
@@ -223,7 +220,19 @@ class EventPublisher:
                 self._send(batch)
             except Exception as exc:
                 self._dropped_batch(batch, exc)
-        return stopping, None
+        return stopping
+
+    def _serve_sockets(self, seconds: float) -> None:
+        """Take subscriptions and answer replay requests as they come, for ``seconds`` (0: those waiting now)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            ready = dict(self._poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self._pub in ready:
+                self._take_subscriptions(0)
+            if self._replay is not None and self._replay in ready:
+                self._serve_replay()
+            if not ready or time.monotonic() >= deadline:
+                return
 
     def _dropped_batch(self, events: list[KVEvent], exc: Exception) -> None:
         with self._lock:

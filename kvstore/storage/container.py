@@ -164,6 +164,17 @@ def header_name(head: Buffer) -> bytes | int | None:
     return int.from_bytes(value[:8], "big") if kind == NAME_INT else None
 
 
+def name_in_head(head: Buffer | None) -> bytes | int | None:
+    """The engine's name ``head`` (an object's first bytes) keeps, or None: none read, no name, or no
+    sound header (then a chunk is named by its key)."""
+    if head is None:
+        return None
+    try:
+        return header_name(head)
+    except ChunkFormatError:
+        return None
+
+
 def encode_layers(
     layout: KVLayout,
     chunk: Buffer,

@@ -32,12 +32,11 @@ from kvstore.codecs.base import SegmentSpec
 from kvstore.config import BreakerConfig
 from kvstore.errors import ChunkFormatError, CodecError, ConfigError, ForeignChunkError
 from kvstore.events import NO_EVENTS, Medium, NoEvents, TierEvents
-from kvstore.events.wire import BlockHash
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
 from kvstore.storage.chunk_reads import NO_FENCE, ChunkReads, Guard, LossyRead, ReadOutcome
-from kvstore.storage.container import encode_chunk, header_name
+from kvstore.storage.container import encode_chunk, name_in_head
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.health import UNGUARDED, Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
@@ -94,7 +93,7 @@ class ChunkTier:
         """The backend evicted ``keys`` (from any thread): removed, named by their headers where read."""
         if self._writes:
             self._evicted_while_writing.update(keys)
-        self.events.removed(self.medium, keys, [_name_in(head) for head in heads])
+        self.events.removed(self.medium, keys, [name_in_head(head) for head in heads])
 
     def _refuse_a_codec_for_other_values(self) -> None:
         """ConfigError, at start, for a codec that cannot encode this layout's values (e.g. fp8 on fp8 KV).
@@ -464,16 +463,6 @@ class ChunkTier:
             "lossless": self.codec.lossless,
             "breaker": self.breaker.stats(),
         }
-
-
-def _name_in(head: bytes | None) -> BlockHash | None:
-    """The engine's name a chunk header keeps (kvstore.storage.container), if ``head`` holds one."""
-    if head is None:
-        return None
-    try:
-        return header_name(head)
-    except ChunkFormatError:
-        return None
 
 
 def _split(items: list[T], groups: int) -> list[list[T]]:
