@@ -19,6 +19,7 @@ from kvstore.sizing.traces import (
     TRACE_MAGIC,
     TraceWriter,
     flatten,
+    key_hashes,
     key_id,
     key_ids,
     read_trace,
@@ -172,6 +173,25 @@ def test_key_ids_match_key_id() -> None:
     assert key_ids([]).tolist() == []
     with pytest.raises(ValueError):
         key_ids(["ab" * 31])
+
+
+def splitmix64_finalizer(x: int) -> int:
+    """The reference: SplitMix64's output function, in plain Python integers."""
+    mask = 2**64 - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def test_key_hashes_are_splitmix_of_the_key_ids_in_every_process() -> None:
+    keys = [trace_key(i) for i in range(64)] + [hashlib.sha256(b"x").hexdigest(), trace_key(2**64 - 1)]
+    hashed = key_hashes(iter(keys), len(keys))
+    assert hashed.dtype == np.uint64
+    assert hashed.tolist() == [splitmix64_finalizer(key_id(key)) for key in keys]  # no per-process salt
+    low_bits = {h & 0xFFFF for h in hashed[:64].tolist()}
+    assert len(low_bits) == 64 and max(h >> 32 for h in hashed[:64].tolist()) > 0, "small ids spread out"
+    with pytest.raises(ValueError):
+        key_hashes(["ab" * 31], 1)
 
 
 def test_trace_key_round_trips() -> None:

@@ -57,14 +57,19 @@ class ReplayResult:
 async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "", settle: bool = False) -> ReplayResult:
     """Each chain as an engine would send it: lookup, load the prefix found, put the chunks it computed.
 
-    ``settle`` waits for the writes below DRAM after each chain, so the outcome does not depend on timing.
+    The counts are this replay's, not the store's since it opened (a store may replay twice: to learn,
+    then to be measured). ``settle`` waits for the writes below DRAM and for auto mode's decisions after
+    each chain, so the outcome does not depend on timing.
     """
+    before = _counts(store)
     chunk = torch.zeros(store.layout.chunk_shape, dtype=store.layout.dtype)
     outs = [torch.empty_like(chunk) for _ in range(max((len(c) for c in chains), default=0))]
     references = prefix_hits = 0
     for chain in chains:
         keys = [trace_key(int(i)) for i in chain]
         found = await store.lookup(keys)
+        if settle:
+            await store.flush()  # a decision this lookup started (a DRAM resize) ends before the chain goes on
         references += len(keys)
         prefix_hits += found
         if found:
@@ -74,19 +79,26 @@ async def replay(store: KVStore, chains: Sequence[np.ndarray], label: str = "", 
         if settle:
             await store.flush()
     await store.flush()
-    stats = store.stats()
-    below = sum(tier.stats.hits for tier in store.tiers)
+    dram_hits, written_below, rejected = (after - start for after, start in zip(_counts(store), before, strict=True))
     return ReplayResult(
         label=label,
         references=references,
         prefix_hits=prefix_hits,
-        dram_hits=stats["store"]["hits"] - below,
-        written_below=sum(tier.stats.bytes_written for tier in store.tiers),
-        rejected=stats["store"]["put_rejected"],
+        dram_hits=dram_hits,
+        written_below=written_below,
+        rejected=rejected,
         dram_bytes_end=store.pool.capacity_bytes,
         policy_end=store.policy,
-        adaptive=stats["adaptive"],
+        adaptive=store.stats()["adaptive"],
     )
+
+
+def _counts(store: KVStore) -> tuple[int, int, int]:
+    """The store's DRAM hits, bytes written below DRAM and puts rejected, since it opened."""
+    counters = store.stats()["store"]
+    below = sum(tier.stats.hits for tier in store.tiers)
+    written = sum(tier.stats.bytes_written for tier in store.tiers)
+    return counters["hits"] - below, written, counters["put_rejected"]
 
 
 def store_config(directory: Path, dram_chunks: int, disk_chunks: int, **adaptive: Any) -> StoreConfig:

@@ -615,8 +615,11 @@ class KVStore:
         """Wait until every queued write has reached its tier (or failed, or timed out).
 
         Chunks ``get_many`` read into the caller's buffers are admitted to DRAM first (they may queue writes),
-        and puts of device tensors wait for their copies into DRAM.
+        and puts of device tensors wait for their copies into DRAM. An auto-mode decision in progress
+        (a DRAM resize) finishes first, so what the store holds afterwards does not depend on timing.
         """
+        if self._auto is not None:
+            await self._auto.settle()
         await asyncio.gather(*(asyncio.shield(landed) for landed in list(self._device_puts)))
         await self._loader.settle()
         await self._cascade.join()

@@ -31,7 +31,7 @@ from kvstore.keys import ChunkKey, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice, CostModel, Policy
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
-from kvstore.sizing.traces import TraceWriter, key_ids
+from kvstore.sizing.traces import TraceWriter, key_hashes, key_ids
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys
@@ -84,10 +84,7 @@ class AccessTracker:
         batches, times = self._pending, self._pending_times
         self._pending, self._pending_times, self._pending_count = [], [], 0
         count = sum(map(len, batches))
-        # str caches its hash, and the DRAM index already computed it: ~30 ns a key, uniform enough to
-        # sample on (per process: traces store stable ids instead).
-        hashed = np.fromiter(map(hash, itertools.chain.from_iterable(batches)), dtype=np.int64, count=count)
-        self.sampler.record(hashed.view(np.uint64))
+        self.sampler.record(key_hashes(itertools.chain.from_iterable(batches), count))
         if self.trace is not None:
             try:
                 self._write_trace(batches, times)
@@ -119,7 +116,7 @@ class AccessTracker:
         if self.references + self._pending_count == 0:
             return True
         self.drain()
-        return self.sampler.sightings(hash(key)) >= 2
+        return self.sampler.sightings(int(key_hashes([key], 1)[0])) >= 2
 
     def profile(self) -> ReuseProfile:
         self.drain()
@@ -237,6 +234,11 @@ class AutoMode:
         """Stop a decision in progress (the store is closing); a resize thread already running finishes."""
         if self._task is not None:
             self._task.cancel()
+
+    async def settle(self) -> None:
+        """Wait for the decision in progress, if any, to finish (it never raises: failures are logged)."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
 
     def maybe_decide(self) -> None:
         """Start a decision when enough lookups and time have passed since the last one (never waits)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -45,6 +45,28 @@ def key_ids(keys: Sequence[str]) -> np.ndarray:
         raise ValueError("a chunk key has 64 hex characters")
     raw = np.frombuffer(bytes.fromhex("".join(keys)), dtype=">u8")
     return raw[::4].astype(np.uint64)
+
+
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def key_hashes(keys: Iterable[str], count: int) -> np.ndarray:
+    """Well-spread 64-bit hashes of ``count`` valid keys, the same in every process (uint64).
+
+    SplitMix64's finalizer over each key's id: a real key is already uniform, a synthetic one
+    (:func:`trace_key`) becomes so. Unlike ``hash()``, no per-process salt: the same traffic gives
+    the same sampling, sighting counts and advice on every run.
+    """
+    joined = "".join(keys)
+    if len(joined) != 64 * count:
+        raise ValueError("a chunk key has 64 hex characters")
+    ids = np.frombuffer(bytes.fromhex(joined), dtype=">u8")[::4].astype(np.uint64)
+    ids ^= ids >> np.uint64(30)
+    ids *= _MIX[0]
+    ids ^= ids >> np.uint64(27)
+    ids *= _MIX[1]
+    ids ^= ids >> np.uint64(31)
+    return ids
 
 
 def trace_key(id: int) -> str:
