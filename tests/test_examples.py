@@ -97,14 +97,14 @@ def test_redis_tier_starts_redis_without_a_url():
     out = run_example("redis_tier.py", env=without_servers())
     assert re.search(r"^no REDIS_URL or --url: started redis-server at redis://127\.0\.0\.1:\d+/0$", out, re.M), out
     check_remote_tier(out, "Redis", "values")
-    assert "after 3 s unread (ttl), a store finds 0 of 4 chunks" in out, out  # expired: the ttl works
+    assert "with ttl 1 s: 4 of 4 chunks written; 1.5 s unread, 0 left" in out, out  # expired: the ttl works
 
 
 def test_redis_tier_on_redis_url(redis_server: RedisServer):
-    out = run_example("redis_tier.py", "--ttl", "2.5", env=without_servers(REDIS_URL=redis_server.url))
+    out = run_example("redis_tier.py", "--ttl", "0.5", env=without_servers(REDIS_URL=redis_server.url))
     assert f"using the Redis server at {redis_server.url}" in out, out
     check_remote_tier(out, "Redis", "values")
-    assert "after 2.5 s unread (ttl), a store finds 0 of 4 chunks" in out, out
+    assert "with ttl 0.5 s: 4 of 4 chunks written; 1 s unread, 0 left" in out, out
 
 
 def test_vllm_config_second_engine_loads_the_prefix_from_disk():
