@@ -98,14 +98,22 @@ async def test_the_stream_runs_at_most_depth_layers_ahead(tmp_path):
     cfg = config(tmp_path)
     keys, _ = await fill(cfg, 2)
     async with KVStore(cfg, LAYOUT, "prefetch") as store:
+
+        async def read_ahead_reaches(nbytes: int) -> int:
+            """Bytes read once the read-ahead got to ``nbytes`` (waited for, up to 30 s), and 0.3 s more."""
+            for _ in range(1500):
+                if store.stats()["disk"]["bytes_read"] >= nbytes:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # time enough to fetch everything, were it allowed to
+            return store.stats()["disk"]["bytes_read"]
+
         async with store.prefetch(keys, depth=2) as stream:
             await stream.layer(0)
-            await asyncio.sleep(0.3)  # time enough to fetch everything, were it allowed to
             per_layer = 2 * LAYOUT.layer_nbytes
-            assert store.stats()["disk"]["bytes_read"] == 3 * per_layer  # layer 0, and 2 ahead: not more
+            assert await read_ahead_reaches(3 * per_layer) == 3 * per_layer  # layer 0, and 2 ahead: not more
             await stream.layer(2)
-            await asyncio.sleep(0.3)
-            assert store.stats()["disk"]["bytes_read"] == 5 * per_layer  # up to layer 2 + depth
+            assert await read_ahead_reaches(5 * per_layer) == 5 * per_layer  # up to layer 2 + depth
 
 
 async def test_a_missing_chunk_fails_the_stream_at_once(tmp_path):

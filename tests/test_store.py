@@ -214,7 +214,7 @@ async def test_a_slow_tier_costs_at_most_its_timeout_and_keeps_the_slot_safe(tmp
         assert stats["controlled"]["timeouts"] == 1
         assert stats["dram"]["referenced"] == 1  # the stuck read still owns its slot
         backend.release_reads.set()
-        for _ in range(100):
+        for _ in range(1500):  # up to 30 s: the worker thread must get the CPU
             if store.stats()["dram"]["referenced"] == 0:
                 break
             await asyncio.sleep(0.02)

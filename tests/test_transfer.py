@@ -156,7 +156,7 @@ async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path)
                 pass
         assert store.pool.stats()["referenced"] == 2, "the slots were released under a copy in flight"
         held.finished.set()
-        for _ in range(100):
+        for _ in range(1500):  # up to 30 s: the worker thread must get the CPU
             if store.pool.stats()["referenced"] == 0:
                 break
             await asyncio.sleep(0.02)
