@@ -19,6 +19,7 @@ from kvstore.sizing.traces import (
     TRACE_MAGIC,
     TraceWriter,
     flatten,
+    key_hash,
     key_hashes,
     key_id,
     key_ids,
@@ -188,6 +189,7 @@ def test_key_hashes_are_splitmix_of_the_key_ids_in_every_process() -> None:
     hashed = key_hashes(iter(keys), len(keys))
     assert hashed.dtype == np.uint64
     assert hashed.tolist() == [splitmix64_finalizer(key_id(key)) for key in keys]  # no per-process salt
+    assert hashed.tolist() == [key_hash(key) for key in keys]  # one key at a time, the same
     low_bits = {h & 0xFFFF for h in hashed[:64].tolist()}
     assert len(low_bits) == 64 and max(h >> 32 for h in hashed[:64].tolist()) > 0, "small ids spread out"
     with pytest.raises(ValueError):

@@ -31,7 +31,7 @@ from kvstore.keys import ChunkKey, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice, CostModel, Policy
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
-from kvstore.sizing.traces import TraceWriter, key_hashes, key_ids
+from kvstore.sizing.traces import TraceWriter, key_hash, key_hashes, key_ids
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys
@@ -116,7 +116,7 @@ class AccessTracker:
         if self.references + self._pending_count == 0:
             return True
         self.drain()
-        return self.sampler.sightings(int(key_hashes([key], 1)[0])) >= 2
+        return self.sampler.sightings(key_hash(key)) >= 2
 
     def profile(self) -> ReuseProfile:
         self.drain()
