@@ -26,18 +26,23 @@ NAMESPACE = "smollm2-135m"
 MIB = 1 << 20
 
 
-def run(url: str, ttl: float) -> None:
+def redis_store(url: str, prefix: str, ttl: float) -> StoreConfig:
+    """Engines on several hosts share one Redis: the disk tier is off, so everything below DRAM is Redis."""
     redis = {
         "enabled": True,
         "url": url,
         # lossless, ~1.46x on bf16 KV (the remote default); where the network is fast and capacity is no
         # concern, "identity" (no compression) reads faster
         "codec": "byteplanes",
-        "ttl": 60,  # seconds a chunk lives after it was written or last read in full (None: never); hours in practice
-        "prefix": f"kvstore-example-{uuid.uuid4().hex[:8]}",  # value names: <prefix>:<namespace>:<key>
+        "ttl": ttl,  # seconds a chunk lives after it was written or last read in full (None: never)
+        "prefix": prefix,  # value names: <prefix>:<namespace>:<key>
     }
-    # Engines on several hosts share one Redis: the disk tier is off, so everything below DRAM is Redis.
-    config = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False}, redis=redis)
+    return StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False}, redis=redis)
+
+
+def run(url: str, ttl: float) -> None:
+    prefix = f"kvstore-example-{uuid.uuid4().hex[:8]}"  # this run's values only
+    config = redis_store(url, prefix, ttl=60)  # a minute to read the prompt back here; hours in practice
     prompt = list(range(1100))  # token ids: 4 full chunks of 256 (the last 76 tokens have no key)
     keys = chunk_keys(prompt, LAYOUT, namespace=NAMESPACE)
     generator = torch.Generator().manual_seed(0)  # stand-in KV: compresses like real SmolLM2 KV
@@ -68,7 +73,7 @@ def run(url: str, ttl: float) -> None:
         print(f"{sum(exact)} of {n} chunks streamed back exactly, layer by layer ({requests} Redis requests)")
 
     # Another prompt, written with a short ttl, that nobody reads for longer: Redis drops its chunks.
-    short = StoreConfig(dram={"capacity": "64MiB"}, disk={"enabled": False}, redis={**redis, "ttl": ttl})
+    short = redis_store(url, prefix, ttl)
     other = chunk_keys(list(range(5000, 6100)), LAYOUT, namespace=NAMESPACE)
     with SyncKVStore(short, LAYOUT, namespace=NAMESPACE) as store:
         for key, kv in zip(other, chunks, strict=True):

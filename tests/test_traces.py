@@ -20,11 +20,12 @@ from kvstore.sizing.traces import (
     TraceWriter,
     flatten,
     key_hash,
-    key_hashes,
     key_id,
     key_ids,
     read_trace,
+    spread_ids,
     trace_key,
+    valid_key_ids,
     write_trace,
 )
 from kvstore.sizing.workloads import (
@@ -184,16 +185,16 @@ def splitmix64_finalizer(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def test_key_hashes_are_splitmix_of_the_key_ids_in_every_process() -> None:
+def test_spread_ids_are_splitmix_of_the_key_ids_in_every_process() -> None:
     keys = [trace_key(i) for i in range(64)] + [hashlib.sha256(b"x").hexdigest(), trace_key(2**64 - 1)]
-    hashed = key_hashes(iter(keys), len(keys))
+    hashed = spread_ids(valid_key_ids(iter(keys), len(keys)))
     assert hashed.dtype == np.uint64
     assert hashed.tolist() == [splitmix64_finalizer(key_id(key)) for key in keys]  # no per-process salt
     assert hashed.tolist() == [key_hash(key) for key in keys]  # one key at a time, the same
     low_bits = {h & 0xFFFF for h in hashed[:64].tolist()}
     assert len(low_bits) == 64 and max(h >> 32 for h in hashed[:64].tolist()) > 0, "small ids spread out"
     with pytest.raises(ValueError):
-        key_hashes(["ab" * 31], 1)
+        valid_key_ids(["ab" * 31], 1)
 
 
 def test_trace_key_round_trips() -> None:

@@ -31,7 +31,7 @@ from kvstore.keys import ChunkKey, namespace_dir
 from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice, CostModel, Policy
 from kvstore.sizing.mrc import ReuseProfile, ReuseSampler
-from kvstore.sizing.traces import TraceWriter, key_hash, key_hashes, key_ids
+from kvstore.sizing.traces import TraceWriter, key_hash, spread_ids, valid_key_ids
 
 log = logging.getLogger("kvstore.adaptive")
 DRAIN_REFERENCES = 4096  # batch size: numpy's per-call overhead spread over this many keys
@@ -84,10 +84,11 @@ class AccessTracker:
         batches, times = self._pending, self._pending_times
         self._pending, self._pending_times, self._pending_count = [], [], 0
         count = sum(map(len, batches))
-        self.sampler.record(key_hashes(itertools.chain.from_iterable(batches), count))
+        ids = valid_key_ids(itertools.chain.from_iterable(batches), count)  # one hex decode: sampling and trace
+        self.sampler.record(spread_ids(ids))
         if self.trace is not None:
             try:
-                self._write_trace(batches, times)
+                self._write_trace(batches, times, ids)
             except OSError as exc:  # a full disk must not break lookups: stop tracing, say so once
                 log.warning("adaptive.trace: writing %s failed (%r); no longer tracing", self.trace.path, exc)
                 trace, self.trace = self.trace, None
@@ -96,14 +97,14 @@ class AccessTracker:
         self.references += count
         self.requests += len(batches)
 
-    def _write_trace(self, batches: list[Sequence[ChunkKey]], times: list[float]) -> None:
+    def _write_trace(self, batches: list[Sequence[ChunkKey]], times: list[float], ids: np.ndarray) -> None:
         assert self.trace is not None
         lengths = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
         request_numbers = ((np.arange(len(batches)) + self.requests) % 2**32).astype(np.uint32)  # wraps, as stored
         self.trace.append(
             np.repeat(np.asarray(times) - self._started, lengths),
             np.repeat(request_numbers, lengths),
-            key_ids([key for batch in batches for key in batch]),
+            ids,
         )
         self.trace.flush()  # one write per batch: `kvstore advise` can read the trace of a running store
 

@@ -43,38 +43,45 @@ def key_ids(keys: Sequence[str]) -> np.ndarray:
     """``key_id`` of many keys at once (one hex decode, no per-key int parsing): cheap on the lookup path."""
     if any(len(key) != 64 for key in keys):
         raise ValueError("a chunk key has 64 hex characters")
-    raw = np.frombuffer(bytes.fromhex("".join(keys)), dtype=">u8")
-    return raw[::4].astype(np.uint64)
+    return valid_key_ids(keys, len(keys))
+
+
+def valid_key_ids(keys: Iterable[str], count: int) -> np.ndarray:
+    """:func:`key_ids` of ``count`` keys already validated (the store checks every key it is given).
+
+    One length check for all of them, not one per key: the tracker's batches take this path.
+    """
+    joined = "".join(keys)
+    if len(joined) != 64 * count:
+        raise ValueError("a chunk key has 64 hex characters")
+    return np.frombuffer(bytes.fromhex(joined), dtype=">u8")[::4].astype(np.uint64)
 
 
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
+def spread_ids(ids: np.ndarray) -> np.ndarray:
+    """Well-spread 64-bit hashes of key ids (uint64, a new array), the same in every process.
+
+    SplitMix64's finalizer: a real key's id is already uniform, a synthetic one (:func:`trace_key`)
+    becomes so. Unlike ``hash()``, no per-process salt: the same traffic gives the same sampling,
+    sighting counts and advice on every run.
+    """
+    hashed = ids.astype(np.uint64)
+    hashed ^= hashed >> np.uint64(30)
+    hashed *= np.uint64(_MIX[0])
+    hashed ^= hashed >> np.uint64(27)
+    hashed *= np.uint64(_MIX[1])
+    hashed ^= hashed >> np.uint64(31)
+    return hashed
+
+
 def key_hash(key: str) -> int:
-    """:func:`key_hashes` of one valid key, in plain integers (~1 us: the per-put path uses it)."""
+    """:func:`spread_ids` of one valid key's id, in plain integers (~1 us: the per-put path uses it)."""
     x = key_id(key)
     x = ((x ^ (x >> 30)) * _MIX[0]) & _MASK64
     x = ((x ^ (x >> 27)) * _MIX[1]) & _MASK64
     return x ^ (x >> 31)
-
-
-def key_hashes(keys: Iterable[str], count: int) -> np.ndarray:
-    """Well-spread 64-bit hashes of ``count`` valid keys, the same in every process (uint64).
-
-    SplitMix64's finalizer over each key's id: a real key is already uniform, a synthetic one
-    (:func:`trace_key`) becomes so. Unlike ``hash()``, no per-process salt: the same traffic gives
-    the same sampling, sighting counts and advice on every run.
-    """
-    joined = "".join(keys)
-    if len(joined) != 64 * count:
-        raise ValueError("a chunk key has 64 hex characters")
-    ids = np.frombuffer(bytes.fromhex(joined), dtype=">u8")[::4].astype(np.uint64)
-    ids ^= ids >> np.uint64(30)
-    ids *= np.uint64(_MIX[0])
-    ids ^= ids >> np.uint64(27)
-    ids *= np.uint64(_MIX[1])
-    ids ^= ids >> np.uint64(31)
-    return ids
 
 
 def trace_key(id: int) -> str:
