@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -130,37 +127,40 @@ def test_ls_chunks_shows_sizes_in_the_units_ls_uses(tmp_path) -> None:
     assert "3.0 MiB" in by_namespace and "3.0 MiB" in by_chunk and "3,145,728" not in by_chunk
 
 
-def as_another_user(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``kvstore ARGS`` run by a user who cannot read 0700 directories it does not own (nobody, when we are root)."""
-    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-    return subprocess.run([*as_nobody, *KVSTORE, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+def as_a_user_without_access(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``kvstore ARGS`` run by a user who cannot read what :func:`deny_access` closed: when we are root, root
+    without the capabilities that read past permissions (so the checkout, ours, stays readable wherever it is)."""
+    no_override = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    return subprocess.run([*no_override, *KVSTORE, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory every user may enter (pytest's tmp_path lies under a 0700 one)."""
-    path = Path(tempfile.mkdtemp(prefix="kvstore-first-hour-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def deny_access(path: Path, mode: int) -> None:
+    """Make ``path`` unreadable to us (to root too, once it runs without overrides): another user's, ``mode``."""
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)  # nobody's: root without dac_override is only "other" there
+        path.chmod(mode)
+    else:
+        path.chmod(0)
 
 
-def test_an_unreadable_directory_or_config_is_one_line_not_a_traceback(shared_dir) -> None:
-    root = shared_dir / "disk"
+def test_an_unreadable_directory_or_config_is_one_line_not_a_traceback(tmp_path) -> None:
+    root = tmp_path / "disk"
     chunk_file(root)
-    root.chmod(0o700 if os.geteuid() == 0 else 0)
-    config = disk_config(shared_dir, root)
-    config.chmod(0o644)
-    done = as_another_user("verify", "-c", str(config), cwd=shared_dir)
+    deny_access(root, 0o700)
+    config = disk_config(tmp_path, root)
+    done = as_a_user_without_access("verify", "-c", str(config), cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [
         f"disk tier directory {root} cannot be read (permission denied); run as its owner"
     ]
-    config.chmod(0o600 if os.geteuid() == 0 else 0)
-    done = as_another_user("ls", "-c", str(config), cwd=shared_dir)
+    deny_access(config, 0o600)
+    done = as_a_user_without_access("ls", "-c", str(config), cwd=tmp_path)
     (line,) = done.stderr.splitlines()
     assert done.returncode == 2 and str(config) in line and "read" in line, done.stderr
-    root.chmod(0o700)
+    for path in (root, config):  # ours again, for pytest to clean up
+        if os.geteuid() == 0:
+            os.chown(path, 0, 0)
+        path.chmod(0o700)
 
 
 def test_verify_delete_without_a_terminal_says_to_pass_yes(tmp_path) -> None:

@@ -151,11 +151,16 @@ async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path)
         keys = keys_of(store, 2)
         await store.put_many(keys, chunks)
         _, outs = model_order_outs(2, "cpu")
-        async with store.prefetch(keys, depth=LAYOUT.num_layers, outs=outs) as stream:
-            async for _ in stream:
-                pass
+        stream = store.prefetch(keys, depth=LAYOUT.num_layers, outs=outs)
+        for layer in range(LAYOUT.num_layers):  # every layer arrives: its copies are queued, not done
+            await stream.layer(layer)
+        closing = asyncio.create_task(stream.close())  # (idempotent) waits for the copies into outs
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not closing.done(), "close() returned with copies into the caller's buffers in flight"
         assert store.pool.stats()["referenced"] == 2, "the slots were released under a copy in flight"
         held.finished.set()
+        await closing
         for _ in range(1500):  # up to 30 s: the worker thread must get the CPU
             if store.pool.stats()["referenced"] == 0:
                 break

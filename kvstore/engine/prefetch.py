@@ -59,7 +59,6 @@ from kvstore.engine.stream_reads import (
     LocalRead,
     RunFailed,
     chunk_parts,
-    contiguous_for,
     failed_where,
     read_files,
 )
@@ -69,7 +68,7 @@ from kvstore.errors import PrefetchError, TierSkipped, TierTimeout
 from kvstore.keys import ChunkKey
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.util.buffers import copy_between, tensor_bytes
-from kvstore.util.threads import in_thread, usable_cores
+from kvstore.util.threads import FenceClosed, WriteFence, in_thread, usable_cores, wait_through_cancel
 
 log = logging.getLogger("kvstore.prefetch")
 FETCHES_IN_FLIGHT = 2  # runs of layers being read at once where _fetches_in_flight allows (3 and 4 measured no faster)
@@ -101,6 +100,8 @@ class LayerStream:
         """``ready``: with device ``outs``, the consumer's stream when it handed them over (its work may still
         read that memory): the copies into ``outs`` wait for it."""
         layout = sources.layout
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise TypeError(f"prefetch: depth must be an int, got {type(depth).__name__}")
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
         self.shape = (layout.kv_planes, len(keys) * layout.chunk_tokens, layout.num_kv_heads, layout.head_dim)
@@ -134,6 +135,7 @@ class LayerStream:
         self._accounted: set[int] = set()  # readers whose failure the tier has counted (once per chunk)
         self.pace = StreamPace(depth, self.ring, layout.num_layers)  # how far the producer may run
         self._closing = False
+        self._fence = WriteFence()  # over the caller's outs: every write into them is made under it (see close)
         self._threads_per_fetch = sources.read_threads  # thread calls a run of layers is read in (see _fetch)
         self._chunks = StreamChunks(sources, keys)  # per chunk: its DRAM slot or tier reader, its staging slot
         self._task = asyncio.create_task(self._produce(), name="kvstore-prefetch")
@@ -164,19 +166,10 @@ class LayerStream:
         For the store's own timing (a load planner measures a whole load this way); no stream waits.
         """
         await self._arrived_layer(index)
-        completion = self.completions[index]
-        if not completion.done():
-            loop = asyncio.get_running_loop()
-            finished: asyncio.Future[None] = loop.create_future()
-
-            def failed(error: BaseException) -> None:
-                if not finished.done():
-                    finished.set_exception(PrefetchError(f"the copies of layer {index} failed: {error!r}"))
-
-            self._sources.transfers.after(
-                completion, lambda: finished.done() or finished.set_result(None), loop, failed
-            )
-            await finished
+        try:
+            await self._sources.transfers.completed(self.completions[index])
+        except Exception as error:  # a device error
+            raise PrefetchError(f"the copies of layer {index} failed: {error!r}") from None
 
     def request(self, index: int) -> None:
         """Let the producer run up to ``index + depth`` (on the loop thread)."""
@@ -205,16 +198,41 @@ class LayerStream:
     async def close(self) -> None:
         """Stop fetching and release what the stream holds (idempotent); waits at most ``timeouts.close``.
 
-        Every layer not yet arrived fails with PrefetchError (an engine thread waiting on one wakes).
-        A producer that does not stop in time (a tier call that ignores cancellation) is left to
-        finish on its own and logged: it still releases its slots and files when it ends.
+        Once it returns or raises, cancelled or not, nothing of the stream writes into the caller's
+        ``outs`` again: the writes in progress then (a copy, a file read of a run of layers, the copies
+        to a device already queued) are waited for, through a cancellation too, which is raised after
+        them. Every layer not yet arrived fails with PrefetchError (an engine thread waiting on one
+        wakes). A producer that does not stop in time (a tier call that ignores cancellation) is left to
+        finish on its own and logged: it writes nothing into ``outs`` any more, and still releases its
+        slots and files when it ends.
         """
         self._closing = True
         self.pace.wake()  # a producer waiting for the consumer wakes and sees the stream closing
         self._task.cancel()
-        done, _ = await asyncio.wait({self._task}, timeout=self._sources.close_timeout)
-        if not done:  # (the producer raises nothing but its cancellation: nothing to retrieve)
-            log.warning("a layer stream did not stop within %.1fs; leaving it to end", self._sources.close_timeout)
+        cancelled = False
+        try:
+            try:
+                done, _ = await asyncio.wait({self._task}, timeout=self._sources.close_timeout)
+            except asyncio.CancelledError:
+                cancelled = True
+            else:
+                if not done:  # (the producer raises nothing but its cancellation: nothing to retrieve)
+                    log.warning(
+                        "a layer stream did not stop within %.1fs; leaving it to end", self._sources.close_timeout
+                    )
+            try:
+                await self._fence.close()  # no write into outs is in progress, and none will start
+            except asyncio.CancelledError:  # (raised once the writes in progress have ended)
+                cancelled = True
+            if await wait_through_cancel(self._sources.transfers.completed(self._last_upload)):
+                cancelled = True
+        finally:
+            self._fail_pending()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _fail_pending(self) -> None:
+        """Every layer not yet arrived fails (closed), and every failure is marked as retrieved."""
         closed = PrefetchError("the layer stream was closed")
         for index, future in enumerate(self._ready):
             self._arrive(index, closed)  # wakes any engine thread still waiting on this layer
@@ -265,7 +283,7 @@ class LayerStream:
                 if layer == self.num_layers:
                     self._chunks.promote()  # no await before it: a consumer closing the stream now cannot stop it
                 await asyncio.sleep(0)  # let waiters in between layers
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, FenceClosed):  # closed: close() fails the layers not arrived
             raise
         except Exception as exc:
             error = exc if isinstance(exc, PrefetchError) else PrefetchError(f"layer {layer}: {exc!r}")
@@ -399,7 +417,8 @@ class LayerStream:
             self._scratch = transfers.scratch_for(outs[0], len(hosts), self._layers_per_fetch(), self._consumer_ready)
         # a ring buffer takes its next layer once the consumer's reads of its last one have ended
         before = [self.pace.before_writing(layer) for layer in range(first, first + len(outs))]
-        completions = transfers.upload_layers(outs, hosts, self._scratch, before)
+        with self._fence:  # closed: no copy into outs is queued any more
+            completions = transfers.upload_layers(outs, hosts, self._scratch, before)
         self._last_upload = completions[-1]
         return completions
 
@@ -413,7 +432,7 @@ class LayerStream:
         up to a switch interval (5 ms) for a loop thread that copies layer after layer.
         """
         executor, layout = self._sources.executor, self._sources.layout
-        outcomes = await in_thread(executor, read_files, items, copies, layout)
+        outcomes = await in_thread(executor, read_files, items, copies, layout, self._fence)
         failed: tuple[int, int, LayerReader] | None = None  # (layer, chunk) first, and its reader
         for (reader, layer, _, _, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
@@ -432,8 +451,12 @@ class LayerStream:
     async def _read(
         self, reader: LayerReader, layer: int, target: torch.Tensor, stage: torch.Tensor | None, chunk: int
     ) -> None:
-        """One layer of a remote chunk, verified, into ``stage`` (its promotion slot) if given, and ``target``."""
-        contiguous = contiguous_for(target, stage, self._sources.layout)
+        """One layer of a remote chunk, verified, into ``stage`` (its promotion slot) if given, and ``target``.
+
+        Decoded into memory of the stream's own (the promotion slot, else a temporary), then copied into
+        ``target`` on the loop under the fence: a read a closing stream leaves running writes nothing there.
+        """
+        contiguous = stage if stage is not None else torch.empty(self._sources.layout.layer_shape, dtype=target.dtype)
         where = f"chunk {reader.key[:16]}... on the {reader.tier.name} tier"
         try:
             # Later layers ride along in the same request, and the next request starts early,
@@ -453,5 +476,5 @@ class LayerStream:
             raise PrefetchError(
                 f"layer {layer} of {where} could not be read (counted in the tier's stats)", chunk=chunk, layer=layer
             )
-        if contiguous is not target:
+        with self._fence:
             copy_between(target, contiguous)

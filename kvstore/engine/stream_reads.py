@@ -5,6 +5,7 @@ layer) on the loop and runs :func:`read_files` in the store's I/O threads. A chu
 layers read straight into the caller's memory are one vectored read, then a checksum per layer; a
 layer read there that fails its checksum is read again into memory of the reader's own before the
 file is judged corrupt (and removed): the caller's memory may have changed under the first read.
+Every write into the caller's memory is made under the stream's :class:`~kvstore.util.threads.WriteFence`.
 Blocking; no state of its own.
 """
 
@@ -18,6 +19,7 @@ from kvstore.errors import ChunkFormatError, PrefetchError
 from kvstore.layout import KVLayout
 from kvstore.storage.layer_reader import LayerReader
 from kvstore.util.buffers import copy_between, tensor_bytes
+from kvstore.util.threads import WriteFence
 
 log = logging.getLogger("kvstore.prefetch")
 
@@ -63,14 +65,17 @@ def contiguous_for(target: torch.Tensor, stage: torch.Tensor | None, layout: KVL
 
 
 def read_files(
-    items: list[LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
+    items: list[LocalRead], copies: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout, fence: WriteFence
 ) -> list[Exception | None]:
     """DRAM copies and reads of open files (in a worker thread); per read, the error or None.
 
     Consecutive items of one reader read straight into the caller's memory are one vectored read.
+    Every write into a target is made under ``fence`` (the stream's, over the caller's outputs):
+    once the stream has closed it, the next write raises :class:`FenceClosed` out of this call.
     """
     for target, source in copies:
-        copy_between(target, source)
+        with fence:
+            copy_between(target, source)
     outcomes: list[Exception | None] = []
     start = 0
     while start < len(items):
@@ -80,27 +85,43 @@ def read_files(
             if items[end][1] != items[end - 1][1] + 1:
                 break
             end += 1
-        if end - start > 1:
-            run = [item[4] for item in items[start:end] if item[4] is not None]  # (every one: see the loop above)
-            results: list[Exception | None]
-            try:
-                results = reader.read_local_run(layer, run)
-            except Exception as exc:  # the read itself failed (an I/O error): every layer of the run with it
-                results = [exc] * len(run)
-            outcomes.extend(_confirmed(reader, layer + k, run[k], result) for k, result in enumerate(results))
-            start = end
-            continue
+        with fence:
+            if end - start > 1:
+                run = [item[4] for item in items[start:end] if item[4] is not None]  # (every one: see the loop above)
+                outcomes.extend(_read_run(reader, layer, run))
+            else:
+                outcomes.append(_read_one(reader, layer, target, stage, parts, layout))
         start = end
-        contiguous = target if parts is not None else contiguous_for(target, stage, layout)
-        try:
-            reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])
-        except Exception as exc:
-            outcomes.append(_confirmed(reader, layer, parts, exc) if parts is not None else exc)
-            continue
-        if contiguous is not target:
-            copy_between(target, contiguous)
-        outcomes.append(None)
     return outcomes
+
+
+def _read_run(reader: LayerReader, first: int, run: list[list[memoryview]]) -> list[Exception | None]:
+    """Layers ``first``, ``first + 1``, ... of one chunk read in place into ``run``; per layer, the error or None."""
+    results: list[Exception | None]
+    try:
+        results = reader.read_local_run(first, run)
+    except Exception as exc:  # the read itself failed (an I/O error): every layer of the run with it
+        results = [exc] * len(run)
+    return [_confirmed(reader, first + k, run[k], result) for k, result in enumerate(results)]
+
+
+def _read_one(
+    reader: LayerReader,
+    layer: int,
+    target: torch.Tensor,
+    stage: torch.Tensor | None,
+    parts: list[memoryview] | None,
+    layout: KVLayout,
+) -> Exception | None:
+    """One layer of one chunk into ``target`` (in place into ``parts`` if given, else through ``stage``)."""
+    contiguous = target if parts is not None else contiguous_for(target, stage, layout)
+    try:
+        reader.read_local(layer, parts if parts is not None else [tensor_bytes(contiguous)])
+    except Exception as exc:
+        return _confirmed(reader, layer, parts, exc) if parts is not None else exc
+    if contiguous is not target:
+        copy_between(target, contiguous)
+    return None
 
 
 def _confirmed(reader: LayerReader, layer: int, parts: list[memoryview], outcome: Exception | None) -> Exception | None:

@@ -261,6 +261,21 @@ class DeviceTransfers:
                 self._waiter.start()
         self._pending.put((completion, callback, loop, on_error))
 
+    def completed(self, completion: Completion) -> asyncio.Future[None]:
+        """A future of the running loop, done once ``completion`` is (its exception: the copies failed).
+
+        Non-blocking, on the loop's thread (see :meth:`after`); already done if ``completion`` is.
+        """
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+
+        def failed(error: BaseException) -> None:
+            if not finished.done():
+                finished.set_exception(error)
+
+        self.after(completion, lambda: finished.done() or finished.set_result(None), loop, failed)
+        return finished
+
     def _wait(self) -> None:
         """The waiter thread: block on each completion in turn, then post its callback to the loop."""
         while True:

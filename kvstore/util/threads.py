@@ -8,7 +8,7 @@ caller that is gone (open files, say) is handed to ``discard`` so that nothing l
 
 A thread that writes into memory the caller owns (a read straight into the caller's buffer)
 cannot hold on to that memory past the caller's deadline: :class:`WriteFence` lets the loop
-close the buffer to the thread at the deadline, waiting only for the one write in progress.
+close the buffer to the thread at the deadline, waiting only for the writes in progress.
 
 One piece of blocking work can be spread over idle workers of the executor it already runs in
 (:func:`map_with_helpers`: a chunk's layers, encoded or decoded on every core).
@@ -51,13 +51,7 @@ async def in_thread_or_discard(
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        while not future.done():
-            try:
-                await asyncio.shield(future)
-            except asyncio.CancelledError:
-                continue
-            except Exception:
-                break
+        await wait_through_cancel(future)
         if discard is not None and not future.cancelled() and future.exception() is None:
             discard(future.result())
         raise
@@ -68,54 +62,81 @@ class FenceClosed(Exception):
 
 
 class WriteFence:
-    """Guards one caller-owned buffer against a worker thread's late writes.
+    """Guards caller-owned buffers against worker threads' late writes.
 
-    The thread wraps each write into the buffer in ``with fence:`` (raises :class:`FenceClosed`
-    once the fence is closed, so nothing starts after). The loop calls :meth:`close` when it
-    stops waiting (a deadline): from its return on, no write into the buffer is in progress
-    and none will start, so the caller may reuse the buffer at once.
+    A thread wraps each write into the buffers in ``with fence:`` (raises :class:`FenceClosed`
+    once the fence is closed, so nothing starts after); several threads may write at once. The
+    loop calls :meth:`close` when it stops waiting (a deadline, a closed stream): from its return
+    on, no write into the buffers is in progress and none will start, so the caller may reuse
+    them at once. Loop code may write under the fence too: it then never waits (the fence's lock
+    is held only to count writers, never across a write).
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # held by the thread during each write
+        self._lock = threading.Lock()  # held only to count writers and to read the flag
+        self._idle = threading.Condition(self._lock)  # notified when the last writer leaves
+        self._writers = 0
         self._closed = False
 
     def __enter__(self) -> None:
-        self._lock.acquire()
-        if self._closed:
-            self._lock.release()
-            raise FenceClosed("the buffer's owner stopped waiting")
+        with self._lock:
+            if self._closed:
+                raise FenceClosed("the buffer's owner stopped waiting")
+            self._writers += 1
 
     def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()
+        with self._lock:
+            self._writers -= 1
+            if not self._writers:
+                self._idle.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """Whether no write may start any more (:meth:`shut` or :meth:`close` was called)."""
+        return self._closed
 
     def shut(self) -> None:
-        """Let no write start from now on (non-blocking); :meth:`close` then waits for one in progress."""
-        self._closed = True
+        """Let no write start from now on (non-blocking); :meth:`close` then waits for those in progress."""
+        with self._lock:
+            self._closed = True
 
     async def close(self) -> None:
-        """Close the fence; returns once no write into the buffer is in progress (non-blocking for the loop).
+        """Close the fence; returns once no write into the buffers is in progress (non-blocking for the loop).
 
-        Waits for at most the one write a thread is in the middle of (a bounded piece, e.g. 1 MiB
-        of a file), never for the rest of its work.
+        Waits for at most the writes threads are in the middle of (bounded pieces, e.g. 1 MiB of a
+        file each), never for the rest of their work. Cancelled meanwhile, it still waits for them,
+        then raises the cancellation.
         """
-        self._closed = True  # a thread entering from now on sees it (the flag is read under the lock)
-        if self._lock.acquire(blocking=False):
-            self._lock.release()
-            return
-        waiting = asyncio.get_running_loop().run_in_executor(None, self._wait_for_writer)
-        cancelled = False
-        while not waiting.done():  # even if cancelled: the caller's buffer is only free once the write ends
-            try:
-                await asyncio.shield(waiting)
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
+        with self._lock:
+            self._closed = True  # a thread entering from now on sees it
+            if not self._writers:
+                return
+        waiting = asyncio.get_running_loop().run_in_executor(None, self._wait_for_writers)
+        if await wait_through_cancel(waiting):
             raise asyncio.CancelledError
 
-    def _wait_for_writer(self) -> None:
+    def _wait_for_writers(self) -> None:
         with self._lock:
-            pass
+            while self._writers:
+                self._idle.wait()
+
+
+async def wait_through_cancel(future: asyncio.Future[object]) -> bool:
+    """Wait until ``future`` is done, even if the caller is cancelled meanwhile; True if it was.
+
+    For waits that must not be cut short (memory still being written): the caller finishes its
+    clean-up, then raises ``asyncio.CancelledError`` itself when this returns True. The
+    future's own outcome is left to whoever reads it.
+    """
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not future.cancelled()  # the caller's, not the future's own
+        except Exception:
+            break
+    return cancelled
 
 
 async def close_fences(fences: Sequence[WriteFence]) -> None:

@@ -243,9 +243,11 @@ def test_an_fp8_cache_whose_cpu_kernels_the_tier_cannot_tell_is_refused(primary,
     """On a CPU, fp8 blocks are laid out by AMX kernels for a bfloat16 model and by the portable
     ones otherwise: a tier that cannot see the engine's model dtype (here: no engine at all)
     refuses rather than risk reading one layout as the other; on a CPU without AVX-512 or AMX
-    (simulated) it refuses first for the missing kernels. Other KV dtypes are refused by name."""
+    it refuses first for the missing kernels. Both CPU kinds are simulated, so the test asserts
+    the same on an AMX Xeon and an AVX2-only EPYC. Other KV dtypes are refused by name."""
     import torch
 
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)  # a CPU with vLLM's fp8 KV kernels
     with pytest.raises(ConfigError, match=r"cannot tell which CPU kernels lay out this engine's fp8 KV blocks"):
         KVStoreTier(spec(dtype="fp8"), memoryview(primary), "KVStoreTier", kvstore_config={})
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
