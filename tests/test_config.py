@@ -12,7 +12,8 @@ import pytest
 import kvstore
 from kvstore import ConfigError, KVLayout, KVStore, StoreConfig
 from kvstore.codecs import CODECS, make_codec
-from kvstore.util.units import parse_duration, parse_size
+from kvstore.util import memory
+from kvstore.util.units import human_bytes, parse_duration, parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -404,6 +405,9 @@ SIZES = [
     (" 4096 ", 4096),
     (".5KiB", 512),
     (4096, 4096),  # a number (TOML, JSON) is bytes
+    (float(2**53 - 1), 2**53 - 1),  # a float, while every whole number is one
+    ("7EiB", 7 << 60),
+    (2**63 - 1, 2**63 - 1),  # the largest size
 ]
 BAD_SIZES = [
     ("12,5GB", "decimal point as '.'"),  # pydantic's ByteSize read this as 12 bytes
@@ -418,6 +422,12 @@ BAD_SIZES = [
     (1.5, "whole number of bytes"),
     (float("inf"), "finite"),
     (True, "not a size"),
+    (1e30, "rather than an exponent"),  # refused as '1e30B' is: one rule for both forms
+    (float(2**53), "a float holds exactly"),
+    (2**63, "too large"),
+    (2**70, "too large"),
+    ("8EiB", "too large"),
+    ("9" * 30, "too large"),
 ]
 DURATIONS = [
     ("10m", 600.0),
@@ -498,6 +508,95 @@ def test_a_capacity_below_one_chunk_names_the_key_and_the_minimum(section, value
     text = error_text(excinfo)
     assert_mentions(text, f"{section}.capacity = ", "at least one chunk", "e.g. 500GiB")
     assert "could not parse" not in text
+
+
+@pytest.mark.parametrize("capacity", [1e30, "1e30B"])
+def test_a_float_disk_capacity_with_an_exponent_is_refused_as_its_text_is(capacity):
+    """1e30 as a number was accepted (and '1e30B' refused): one rule for sizes in both forms."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(disk={"capacity": capacity})
+    assert_mentions(error_text(excinfo), "disk.capacity = ", "write 1000 or 1KB rather than an exponent")
+
+
+@pytest.mark.parametrize(
+    "capacity, problem",
+    [
+        (1e30, "rather than an exponent"),
+        (2**70, "too large"),
+        ("1PiB", "lower dram.capacity"),
+        ("64TiB", "lower dram.capacity"),
+    ],
+)
+def test_a_dram_capacity_the_machine_cannot_hold_is_refused_naming_the_key(capacity, problem):
+    """Each was accepted, and opening the store then raised OverflowError or MemoryError, or used up the memory."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(dram={"capacity": capacity})
+    text = error_text(excinfo)
+    assert_mentions(text, "dram.capacity = ", problem)
+    if isinstance(capacity, str):
+        assert_mentions(text, f"this machine has ({human_bytes(memory.machine_memory())})")
+
+
+def test_dram_sizes_are_checked_against_the_machines_memory(monkeypatch):
+    monkeypatch.setattr(memory, "machine_memory", lambda: 8 * GiB)
+    assert StoreConfig(dram={"capacity": "4GiB"}).dram.capacity == 4 * GiB
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(dram={"capacity": "16GiB"})
+    assert_mentions(error_text(excinfo), "dram.capacity = '16GiB'", "16.0 GiB", "this machine has (8.0 GiB)")
+    with pytest.raises(ConfigError) as excinfo:  # what auto mode may grow the pool to
+        StoreConfig(adaptive={"auto": True, "dram_max": "9GiB"})
+    assert_mentions(error_text(excinfo), "adaptive.dram_max = '9GiB'", "8.0 GiB", "lower adaptive.dram_max")
+    config = StoreConfig()
+    with pytest.raises(ConfigError, match="lower dram.capacity"):
+        config.dram.capacity = "12GiB"
+    assert config.dram.capacity == GiB
+    monkeypatch.setattr(memory, "machine_memory", lambda: None)  # unknown: nothing to check against
+    assert StoreConfig(dram={"capacity": "64TiB"}).dram.capacity == 64 << 40
+
+
+def test_the_machines_memory_is_the_smaller_of_its_ram_and_the_cgroup_limit(tmp_path, monkeypatch):
+    cgroups = tmp_path / "sys-fs-cgroup"
+    pod = cgroups / "kubepods" / "pod1"
+    pod.mkdir(parents=True)
+    (pod.parent / "memory.max").write_text(f"{8 * GiB}\n")  # the limit is set above this process's group
+    (pod.parent / "memory.current").write_text(f"{3 * GiB}\n")
+    (pod / "memory.max").write_text("max\n")
+    (pod / "memory.current").write_text(f"{GiB}\n")
+    own = tmp_path / "proc-self-cgroup"
+    own.write_text("0::/kubepods/pod1\n")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {64 * GiB // 1024} kB\nMemAvailable:   {32 * GiB // 1024} kB\n")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", cgroups)
+    monkeypatch.setattr(memory, "PROC_CGROUP", own)
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+    monkeypatch.setattr(memory, "physical_memory", lambda: 64 * GiB)
+    assert memory.machine_memory() == 8 * GiB  # cgroup v2
+    assert memory.available_memory() == 5 * GiB  # what the limit leaves, below MemAvailable
+    v1 = cgroups / "memory" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{2 * GiB}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{GiB // 2}\n")
+    (cgroups / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    own.write_text("4:memory:/docker/abc\n0::/\n")
+    assert (memory.machine_memory(), memory.available_memory()) == (2 * GiB, 3 * GiB // 2)  # cgroup v1
+    own.write_text("0::/\n")  # no limit anywhere: the machine's RAM, and MemAvailable
+    assert (memory.machine_memory(), memory.available_memory()) == (64 * GiB, 32 * GiB)
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "absent")
+    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "absent")
+    assert (memory.machine_memory(), memory.available_memory()) == (64 * GiB, None)
+
+
+@pytest.mark.parametrize("path", ["", "   ", "\t"])
+def test_an_empty_disk_path_is_refused_not_read_as_the_current_directory(path, monkeypatch):
+    """'' was taken as '.': chunk files went into whatever directory the engine started in."""
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(disk={"path": path})
+    fix = ["disk.path", "current directory", "absolute directory", "leave it out", "~/.cache/kvstore"]
+    assert_mentions(error_text(excinfo), *fix)
+    monkeypatch.setenv("KVSTORE_DISK__PATH", path)
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig()
+    assert_mentions(error_text(excinfo), *fix)
 
 
 def test_a_huge_value_or_key_is_quoted_short():

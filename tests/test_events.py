@@ -25,7 +25,7 @@ from support import TEST_BUCKET
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.events import NO_EVENTS, ChunkEvents, ChunkIdentity
-from kvstore.events.publisher import END_OF_REPLAY, EventPublisher
+from kvstore.events.publisher import END_OF_REPLAY, EventPublisher, offset_port
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from kvstore.keys import key_to_bytes
 from kvstore.storage.container import encode_header, header_length, header_name, parse_header
@@ -110,6 +110,45 @@ def test_a_subscriber_that_missed_batches_gets_them_from_the_replay_socket():
     finally:
         dealer.close(linger=0)
         publisher.close()
+
+
+@pytest.mark.parametrize(
+    "events, named",
+    [
+        ({"endpoint": "tcp://*:99999"}, ["events.endpoint", "99999", "0 to 65535"]),  # ZeroMQ bound port 34463
+        ({"endpoint": "tcp://*:-1"}, ["events.endpoint", "-1", "0 to 65535"]),  # bound port 65535
+        ({"replay_endpoint": "tcp://*:70000"}, ["events.replay_endpoint", "70000"]),
+        ({"admin_endpoint": "tcp://router:65536"}, ["events.admin_endpoint", "65536"]),
+        (  # rank 7 on port 65535 bound port 6
+            {"endpoint": "tcp://*:65535", "data_parallel_rank": 7},
+            ["events.endpoint", "events.data_parallel_rank = 7", "65542", "at most 65528"],
+        ),
+        (
+            {"replay_endpoint": "tcp://*:65530", "data_parallel_rank": 6},
+            ["events.replay_endpoint", "events.data_parallel_rank = 6", "65536"],
+        ),
+    ],
+)
+def test_an_event_port_out_of_range_is_a_config_error_naming_the_key(events, named):
+    with pytest.raises(ConfigError) as excinfo:
+        StoreConfig(events=events)
+    assert all(part in str(excinfo.value) for part in named), str(excinfo.value)
+
+
+def test_a_rank_that_pushes_a_port_out_of_range_is_refused_when_assigned_too():
+    config = StoreConfig(events={"endpoint": "tcp://*:65530"})
+    with pytest.raises(ConfigError, match=r"events.endpoint = 'tcp://\*:65530' with events.data_parallel_rank = 6"):
+        config.events.data_parallel_rank = 6  # as the vLLM connector sets it
+    assert config.events.data_parallel_rank == 0  # a refused value changes nothing
+    with pytest.raises(ConfigError, match="past 65535"):
+        offset_port("tcp://*:65535", 1)  # a publisher opened with an endpoint of its own is refused too
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:0", "tcp://*:65528", "tcp://127.0.0.1:*", "ipc:///tmp/kv-events"])
+def test_port_zero_a_wildcard_port_and_ports_in_range_stay_valid_with_a_rank(endpoint):
+    config = StoreConfig(events={"endpoint": endpoint, "replay_endpoint": endpoint, "data_parallel_rank": 7})
+    assert config.events.endpoint == endpoint
+    assert offset_port("tcp://*:0", 7) == "tcp://*:0"  # a free port for every rank
 
 
 def test_an_endpoint_that_cannot_be_opened_names_the_option(tmp_path):

@@ -92,6 +92,17 @@ class DiskConfig(BackendSection):
         "'s3fifo' or 'arc' (see the eviction page)",
     )
 
+    @field_validator("path", mode="before")
+    @classmethod
+    def _not_empty(cls, value: object) -> object:
+        """An empty path is refused, not read as '.': chunk files would land wherever the engine started."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(
+                "disk.path is empty (it would mean the current directory); set it to an absolute directory, "
+                "e.g. '/nvme/kvstore', or leave it out for the default ($XDG_CACHE_HOME/kvstore, else ~/.cache/kvstore)"
+            )
+        return value
+
     @field_validator("path")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +21,20 @@ from pydantic import (
 from kvstore.config.base import Capacity, Duration, Section, Size
 from kvstore.errors import ConfigError
 from kvstore.eviction import EvictionName
+from kvstore.util import memory
+from kvstore.util.units import human_bytes
+
+
+def within_machine_memory(size: int | None, key: str) -> None:
+    """Refuse a DRAM size this machine could never hold (physical memory, or the cgroup's limit where lower).
+
+    A ValueError naming ``key``, the size and the memory there is; nothing is checked where that is unknown.
+    """
+    total = memory.machine_memory()
+    if size is not None and total is not None and size > total:
+        raise ValueError(
+            f"{key} of {human_bytes(size)} is more memory than this machine has ({human_bytes(total)}); lower {key}"
+        )
 
 
 class DramConfig(Section):
@@ -32,6 +47,12 @@ class DramConfig(Section):
         description="which chunk a full pool drops: 'lru' (least recently used), or the scan-resistant "
         "'s3fifo' or 'arc' (see the eviction page)",
     )
+
+    @field_validator("capacity")
+    @classmethod
+    def _fits_the_machine(cls, value: ByteSize) -> ByteSize:
+        within_machine_memory(int(value), "dram.capacity")
+        return value
 
 
 def parse_key(text: str) -> bytes:
@@ -138,6 +159,19 @@ class MetricsConfig(Section):
     port: int = Field(9464, ge=0, le=65535, description="TCP port of /metrics; 0 picks a free one")
 
 
+MAX_PORT = 65535
+_TCP_PORT = re.compile(r"[-+]?\d+")
+
+
+def tcp_port(endpoint: str) -> int | None:
+    """The port number an endpoint ends with (``tcp://*:5567``: 5567), whatever its range; None where it has none
+    (``ipc://``, ``inproc://``, a ``*`` port, no port): the ones data-parallel ranks offset (vLLM's rule)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return None
+    port = endpoint.rpartition(":")[2]
+    return int(port) if _TCP_PORT.fullmatch(port) else None
+
+
 class EventsConfig(Section):
     """KV events for cache-aware routers, in vLLM's wire format (see the events page and kvstore.events)."""
 
@@ -168,6 +202,28 @@ class EventsConfig(Section):
     remembered_chunks: int = Field(
         16_384, ge=1, description="chunks whose engine identity (hashes, ~1 KB of tokens) is kept for later events"
     )
+
+    @model_validator(mode="after")
+    def _ports_in_range(self) -> EventsConfig:
+        """Each endpoint's TCP port, and that port plus ``data_parallel_rank``, is a port (ZeroMQ wraps past 65535)."""
+        rank = self.data_parallel_rank
+        for option in ("endpoint", "replay_endpoint", "admin_endpoint"):
+            endpoint = getattr(self, option)
+            port = tcp_port(endpoint)
+            if port is None:
+                continue
+            if not 0 <= port <= MAX_PORT:
+                raise ValueError(
+                    f"events.{option} = {endpoint!r}: port {port} is not a TCP port (0 to {MAX_PORT}); "
+                    "use e.g. 'tcp://*:5567', or 'tcp://*:0' for a free one"
+                )
+            if port and port + rank > MAX_PORT:
+                raise ValueError(
+                    f"events.{option} = {endpoint!r} with events.data_parallel_rank = {rank}: the rank's port "
+                    f"{port} + {rank} = {port + rank} is past {MAX_PORT} (each rank adds itself to the port); "
+                    f"use a port at most {MAX_PORT - rank}, or 'tcp://*:0' for a free one"
+                )
+        return self
 
     def resolved_topic(self, model: str) -> str:
         """The topic, with ``{engine}`` (this host's name if unset) and ``{model}`` (``model`` if unset) filled in."""
@@ -205,6 +261,13 @@ class AdaptiveConfig(Section):
     min_references: int = Field(20_000, ge=1, description="chunk lookups between auto mode's decisions, at least")
     knee: float = Field(0.95, gt=0, le=1, description="smallest DRAM size with this share of the largest one's gain")
     trace: Path | None = Field(None, description="append every chunk lookup to this trace file (for kvstore advise)")
+
+    @field_validator("dram_max")
+    @classmethod
+    def _fits_the_machine(cls, value: ByteSize | None) -> ByteSize | None:
+        """The pool sets up (and auto mode may allocate) this much: more than the machine is refused at once."""
+        within_machine_memory(None if value is None else int(value), "adaptive.dram_max")
+        return value
 
 
 class PlannerConfig(Section):

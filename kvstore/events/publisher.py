@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
+from kvstore.config.sections import MAX_PORT
 from kvstore.errors import ConfigError
 from kvstore.events.wire import KVEvent, KVEventBatch, encode_batch
 
@@ -48,7 +49,14 @@ def offset_port(endpoint: str, rank: int) -> str:
     base, _, port = endpoint.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"events endpoint {endpoint!r} has no TCP port to offset for data-parallel rank {rank}")
-    return endpoint if port == "0" else f"{base}:{int(port) + rank}"
+    if port == "0":
+        return endpoint
+    if int(port) + rank > MAX_PORT:  # ZeroMQ would wrap it (65542 binds port 6): EventsConfig refuses these too
+        raise ConfigError(
+            f"events endpoint {endpoint!r} with data-parallel rank {rank} gives port {int(port) + rank}, past "
+            f"{MAX_PORT}; lower the port to at most {MAX_PORT - rank}"
+        )
+    return f"{base}:{int(port) + rank}"
 
 
 def binds(endpoint: str) -> bool:

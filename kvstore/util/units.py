@@ -20,6 +20,8 @@ from decimal import Decimal
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MB, GB = 1e6, 1e9
+MAX_SIZE = (1 << 63) - 1  # the largest size parsed (8 EiB): what a signed 64-bit offset holds
+EXACT_FLOAT_LIMIT = 1 << 53  # a size given as a float must lie below this: above it not every whole number is one
 
 _BINARY_PREFIXES = ("", "Ki", "Mi", "Gi", "Ti")
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"  # 12, 12.5, .5: no sign, exponent, comma or underscore
@@ -111,20 +113,38 @@ def parse_size(value: str | int | float, minimum: int = 0, why: str = "a size ca
     Units are case-insensitive: B; K/KB, M/MB, G/GB, T/TB, P/PB, E/EB (powers of 1000); KiB, MiB,
     GiB, TiB, PiB, EiB (powers of 1024). A decimal point is fine (a fraction of a byte is dropped);
     a comma, an exponent, a sign or an unknown unit is not. A number (not text) is bytes and must
-    be whole. A result below ``minimum`` fails with ``why``.
+    be whole; a float must also be below 2**53, where floats stop holding every whole number
+    (``1e30`` fails as ``'1e30B'`` does). A result above 8 EiB (2**63 - 1 bytes), in either form,
+    fails as too large; one below ``minimum`` fails with ``why``.
 
     Raises :class:`ValueError` quoting (at most the start of) the text and showing a valid value.
     """
-    number = _plain_number(value, "a size", _SIZE_EXAMPLES)
-    if number is not None:
-        if number != int(number):
-            raise ValueError(f"{value} is not a whole number of bytes; write {_SIZE_EXAMPLES}")
-        size = int(number)
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value  # exact as it is: a float of it would round above 2**53 (and overflow above 1e308)
     else:
-        size = _parse_size_text(str(value))
+        size = _size_of(value)
+    if size > MAX_SIZE:
+        huge = isinstance(value, int) and size.bit_length() > 1000  # its repr would be thousands of digits
+        what = f"a {size.bit_length()}-bit number" if huge else shown(value)
+        raise ValueError(f"{what} is too large: a size is at most 8 EiB ({MAX_SIZE:,} bytes), {_SIZE_EXAMPLES}")
     if size < minimum:
         raise ValueError(f"{shown(value)} is too small: {why}; write {_SIZE_EXAMPLES}")
     return size
+
+
+def _size_of(value: str | float) -> int:
+    """The bytes in a size given as text or as a float (a float: whole, and below 2**53)."""
+    number = _plain_number(value, "a size", _SIZE_EXAMPLES)
+    if number is None:
+        return _parse_size_text(str(value))
+    if number >= EXACT_FLOAT_LIMIT:  # 1e30 is a float: not the bytes anyone meant, and '1e30B' is refused too
+        raise ValueError(
+            f"{value} is not a whole number of bytes that a float holds exactly (a float must be below 2**53); "
+            f"write 1000 or 1KB rather than an exponent, or a whole number: {_SIZE_EXAMPLES}"
+        )
+    if number != int(number):
+        raise ValueError(f"{value} is not a whole number of bytes; write {_SIZE_EXAMPLES}")
+    return int(number)
 
 
 def _parse_size_text(text: str) -> int:
@@ -142,7 +162,8 @@ def _parse_size_text(text: str) -> int:
             f"{shown(text)} has an unknown unit {shown(unit)}: use B, KB, MB, GB, TB, PB (powers of 1000) "
             f"or KiB, MiB, GiB, TiB, PiB (powers of 1024), {_SIZE_EXAMPLES}"
         )
-    size = int(Decimal(number) * scale)
+    exact = Decimal(number) * scale
+    size = MAX_SIZE + 1 if exact > MAX_SIZE else int(exact)  # never a million-digit int from a million digits
     return -size if sign else size
 
 

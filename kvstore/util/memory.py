@@ -1,0 +1,102 @@
+"""How much memory this process can have: the machine's, within its cgroup's limit (for DRAM capacities).
+
+A DRAM tier larger than the machine cannot be allocated: the configuration refuses one above
+:func:`machine_memory`, and the pool, when it is built, one above :func:`available_memory`.
+Linux only in what it reads (``sysconf``, ``/proc`` and ``/sys/fs/cgroup``); where something
+cannot be read the answer is None (unknown), and a caller then checks nothing. Pure stdlib.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroups, one "id:controllers:path" line each
+MEMINFO = Path("/proc/meminfo")
+NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer a file holds; None if it cannot be read or says "max" (no limit)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_dirs() -> list[tuple[Path, str, str]]:
+    """This process's cgroup directories holding a memory controller, from its own up to the root, each with
+    the names of its limit and usage files (cgroup v2: ``memory.max``; v1: ``memory.limit_in_bytes``)."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return []
+    found: list[tuple[Path, str, str]] = []
+    for line in lines:  # "hierarchy-id:controllers:path"
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: one unified hierarchy
+            base, limit, usage = CGROUP_ROOT, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+            base, limit, usage = CGROUP_ROOT / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        directory = base / path.lstrip("/")
+        found += [(level, limit, usage) for level in (directory, *directory.parents) if level.is_relative_to(base)]
+    return found
+
+
+def _cgroup_room() -> tuple[int | None, int | None]:
+    """The tightest cgroup memory limit over this process, and the least any limited level leaves unused now
+    (its limit less its usage), in bytes; None for either where no level sets a limit (or it cannot be read)."""
+    limits: list[int] = []
+    rooms: list[int] = []
+    for directory, limit_name, usage_name in _cgroup_dirs():
+        limit = _read_int(directory / limit_name)
+        if limit is None or limit >= NO_LIMIT:
+            continue
+        limits.append(limit)
+        usage = _read_int(directory / usage_name)
+        if usage is not None:
+            rooms.append(max(0, limit - usage))
+    return (min(limits) if limits else None), (min(rooms) if rooms else None)
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes (``SC_PAGE_SIZE * SC_PHYS_PAGES``); None if unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def machine_memory() -> int | None:
+    """The most memory this process could ever have: physical memory, or its cgroup's limit where that is
+    smaller (a container's); None if neither can be read."""
+    sizes = [size for size in (physical_memory(), _cgroup_room()[0]) if size is not None]
+    return min(sizes) if sizes else None
+
+
+def available_memory() -> int | None:
+    """Bytes that can be allocated now without swapping: ``MemAvailable`` of ``/proc/meminfo``, or what the
+    cgroup's limit leaves where that is smaller; None if neither can be read."""
+    sizes = [size for size in (_mem_available(), _cgroup_room()[1]) if size is not None]
+    return min(sizes) if sizes else None
+
+
+def _mem_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read (not Linux, an old kernel)."""
+    try:
+        with MEMINFO.open() as file:
+            for line in file:
+                name, _, value = line.partition(":")
+                if name == "MemAvailable":
+                    number, _, unit = value.strip().partition(" ")
+                    return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
+    except (OSError, ValueError):
+        return None
+    return None
