@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         StoreClosedError,
         TierTimeout,
     )
-    from kvstore.keys import ChunkKey, chunk_keys
+    from kvstore.keys import ChunkKey, chain_parents, chunk_keys
     from kvstore.layout import KVLayout
 
 __version__ = "0.1.0"
@@ -51,6 +51,7 @@ __all__ = [
     "SyncKVStore",
     "SyncLayerStream",
     "TierTimeout",
+    "chain_parents",
     "chunk_keys",
 ]
 
@@ -63,6 +64,7 @@ _HOMES = {
     "SyncLayerStream": "kvstore.engine.sync",
     "ChunkKey": "kvstore.keys",
     "chunk_keys": "kvstore.keys",
+    "chain_parents": "kvstore.keys",
     "KVLayout": "kvstore.layout",
     **dict.fromkeys(
         ("ChunkFormatError", "ConfigError", "KVStoreError", "LayerTimeout", "PrefetchError", "StoreClosedError"),

@@ -79,6 +79,16 @@ def chunk_keys(
     return keys
 
 
+def chain_parents(keys: Sequence[ChunkKey], before: ChunkKey | None = None) -> list[ChunkKey | None]:
+    """The parent of each of ``keys``, consecutive chunks of one prefix: ``before`` (the key of the chunk
+    before ``keys[0]``, None if it is the prefix's first), then ``keys[0]``, ..., ``keys[-2]``.
+
+    For ``put_many(keys, kvs, parents=chain_parents(keys, before))``: with ``all_keys = chunk_keys(...)``
+    and a slice ``all_keys[i:j]`` to store, ``before`` is ``all_keys[i - 1]`` (None when ``i`` is 0).
+    """
+    return [before, *keys[:-1]] if keys else []
+
+
 def key_to_bytes(key: ChunkKey) -> bytes:
     """Validate a key and return its 32 raw bytes (as stored in chunk headers)."""
     # bytes.fromhex alone would skip whitespace ("00 11..." gives fewer than 32 bytes).

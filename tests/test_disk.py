@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore import KVStore, StoreConfig
 from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.temporaries import STALE_TMP_SECONDS
@@ -235,6 +236,26 @@ async def test_disk_path_on_a_file_is_a_config_error_naming_disk_path(tmp_path: 
     with pytest.raises(ConfigError, match=r"disk\.path .*is a file; set disk\.path to a directory"):
         await open_backend(root)
     assert a_file.read_bytes() == b"x"
+
+
+@pytest.mark.parametrize(
+    "root, problem",
+    [
+        ("/proc/kvstore-test", "cannot be created"),  # procfs makes no directory
+        ("/sys/kvstore-test/disk", "cannot be created"),  # nor does sysfs, even for root
+        ("/sys", "cannot hold files"),  # a directory that is there, where no file can be made
+    ],
+)
+async def test_disk_path_where_no_file_can_be_made_is_a_config_error_naming_disk_path(root: str, problem: str):
+    """A read-only file system, /proc or /sys raised a bare OSError at open (or, existing, failed every write)."""
+    with pytest.raises(ConfigError) as excinfo:
+        await open_backend(Path(root))
+    (line,) = str(excinfo.value).splitlines()
+    assert line.startswith(f"disk.path {root} {problem}: ") and "set disk.path to a directory on a writable" in line
+    config = StoreConfig(dram={"capacity": 4 * LAYOUT.chunk_nbytes}, disk={"path": root})
+    with pytest.raises(ConfigError, match=rf"disk\.path {root} {problem}"):
+        async with KVStore(config, LAYOUT, namespace="test"):
+            pass
 
 
 @pytest.mark.parametrize(

@@ -149,9 +149,9 @@ class HeldDisk(DiskBackend):
         self.go = threading.Event()
         self.closed = threading.Event()  # set when the held read has closed its file
 
-    def open_reader(self, key: str) -> FileReader | None:
+    def open_reader(self, key: str, hit: bool = True) -> FileReader | None:
         self.go.wait(30)
-        reader = super().open_reader(key)
+        reader = super().open_reader(key, hit)
         if reader is None:
             return None
         backend, close = self, reader.close

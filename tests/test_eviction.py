@@ -262,8 +262,68 @@ def test_a_replay_through_the_store_hits_as_the_simulation_of_its_policy() -> No
     chains = bench_eviction.prefixes_with_scans(120, burst=20, every=20)
     for name in ("lru", "s3fifo"):
         simulated = bench_eviction.simulate(chains, name, 60)
-        assert simulated > 0
+        assert simulated.usable > 0 and simulated.hits >= simulated.usable
         assert asyncio.run(bench_eviction.replay_store(chains, name, 60)) == simulated
+
+
+# -- a prefix goes tail first ------------------------------------------------------------------------
+
+
+def test_a_full_pool_drops_a_prefix_tail_first_after_its_put_and_its_load(tmp_path: Path) -> None:
+    """A prefix put in one batch, then loaded in one batch: each time its tail is the least recent of it, so the
+    pool evicts chunk 2 (then 1), never chunk 0 while keeping the rest: the part left is one a lookup reaches."""
+
+    async def scenario() -> tuple[bool, int]:
+        config = StoreConfig(dram={"capacity": 4 * LAYOUT.chunk_nbytes, "pin_memory": "never"}, disk={"enabled": False})
+        chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+        async with KVStore(config, LAYOUT, "eviction") as store:
+            prefix = store.chunk_keys(list(range(3 * LAYOUT.chunk_tokens)))
+            await store.put(key("older"), chunk)
+            assert all(await store.put_many(prefix, [chunk] * 3))
+            await store.put(key("new0"), chunk)  # evicts "older": the prefix is more recent
+            await store.put(key("new1"), chunk)  # evicts the prefix's tail
+            after_put = [store.pool.contains(item) for item in prefix]
+            assert all(result is not None for result in await store.get_many(prefix[:2]))  # loaded again
+            await store.put(key("new2"), chunk)  # evicts new0, the least recent
+            await store.put(key("new3"), chunk)  # evicts new1
+            await store.put(key("new4"), chunk)  # then the prefix's tail again: chunk 1
+            return after_put == [True, True, False], await store.lookup(prefix)
+
+    tail_went_first, reachable = asyncio.run(scenario())
+    assert tail_went_first, "the pool evicted the prefix's head (or middle) before its tail"
+    assert reachable == 1
+
+
+async def test_the_disk_budget_drops_a_prefix_tail_first_after_a_batch_read(tmp_path: Path) -> None:
+    """A prefix read from disk in one batch (``get_many``, in parallel slices) is told to the budget's policy tail
+    first once the batch is in: its head is the most recent of them, so a full budget deletes its tail first."""
+    config = StoreConfig(dram={"capacity": 8 * LAYOUT.chunk_nbytes, "pin_memory": "never"}, disk={"path": tmp_path})
+    chunk = torch.zeros(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+    async with KVStore(config, LAYOUT, "eviction") as store:
+        prefix = store.chunk_keys(list(range(3 * LAYOUT.chunk_tokens)))
+        for item in prefix:  # written head first, one at a time: the head is the oldest file
+            assert await store.put(item, chunk)
+            await store.flush()
+        tier = store.tiers[0]
+        budget = tier.backend._budget
+        budget.capacity = 4 * tier.backend.path_for(prefix[0]).stat().st_size  # room for four files
+        for item in prefix:
+            store.pool.discard(item)
+        assert all(result is not None for result in await store.get_many(prefix))  # one batch, from disk
+        for name in ("new0", "new1"):
+            assert await store.put(key(name), chunk)
+            await store.flush()
+        on_disk = [tier.backend.path_for(item).exists() for item in prefix]
+    assert on_disk == [True, True, False], "the disk budget deleted the prefix's head before its tail"
+
+
+def test_tail_first_usable_hits_beat_head_first_on_prefix_traffic() -> None:
+    """What the order buys: with LRU on shared prefixes, more of the chunks found are a leading run an engine uses."""
+    chains = bench_eviction.prefixes_with_scans(600, burst=20, every=50)
+    size = bench_eviction.sizes_for(chains, (0.05,))[0]
+    tail_first = bench_eviction.simulate(chains, "lru", size)
+    head_first = bench_eviction.simulate(chains, "lru", size, tail_first=False)
+    assert tail_first.usable > head_first.usable
 
 
 # -- the vendored public trace -------------------------------------------------------------------

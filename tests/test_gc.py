@@ -31,10 +31,11 @@ from kvstore.backends import make_backend
 from kvstore.backends.disk import DiskBackend, temporary_name
 from kvstore.cli import app
 from kvstore.cli.admin import EXIT_DAMAGED, EXIT_DECLINED, EXIT_OK, EXIT_USAGE
-from kvstore.cli.inventory import Retention, namespace_filter, plan_gc, run_gc, tool_backends
+from kvstore.cli.inventory import namespace_filter, tool_backends
+from kvstore.cli.retention import Retention, plan_gc, run_gc
 from kvstore.codecs import make_codec
 from kvstore.config import TimeoutConfig
-from kvstore.keys import namespace_dir
+from kvstore.keys import chain_parents, namespace_dir
 from kvstore.storage.tier import ChunkTier
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # ~5 KB objects (a 4 KiB header)
@@ -429,6 +430,69 @@ def test_gc_beside_an_engine_rewriting_its_victims_loses_nothing(setup: Setup, t
     assert rewritten
     survivors = {key for _, key in stored_keys(setup, tier, "engine")}
     assert set(rewritten) <= survivors, "a chunk written after the listing was deleted"
+
+
+# == prefixes go tail first =====================================================================
+
+
+def store_prefix(setup: Setup, tier: str, chunks: int) -> list[str]:
+    """One prefix of ``chunks`` chunks put through a real KVStore (each with its parent) onto ``tier`` only,
+    then aged as an engine would leave it: written head first, so the head is the oldest (disk, Redis)."""
+    config = setup.config.model_copy(deep=True)
+    for other in {"disk", "redis", "s3"} - {tier}:
+        getattr(config, other).enabled = False
+    config.dram.capacity = 1 << 20
+
+    async def put() -> list[str]:
+        async with KVStore(config, LAYOUT, namespace="prefix") as store:
+            keys = store.chunk_keys(list(range(chunks * LAYOUT.chunk_tokens)))
+            kvs = [torch.full(LAYOUT.chunk_shape, float(i), dtype=LAYOUT.dtype) for i in range(chunks)]
+            assert all(await store.put_many(keys, kvs, parents=chain_parents(keys)))
+            await store.flush()
+            return keys
+
+    keys = asyncio.run(put())
+    now = time.time()
+    for i, key in enumerate(keys):
+        age = (len(keys) - i) * 3600.0  # chunk 0 idle longest, as after a prompt read or written in order
+        if tier == "disk":
+            age_disk_file(setup, "prefix", key, age, now)
+        elif tier == "redis":
+            with redis.Redis.from_url(setup.redis_url) as raw:
+                name = f"{setup.redis_prefix}:prefix:{key}"
+                raw.restore(name, 0, raw.dump(name), replace=True, idletime=int(age))
+    return keys
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis", "s3"])
+def test_a_byte_budget_removes_a_prefix_tail_first(setup: Setup, tier: str) -> None:
+    """The head of a prefix is its oldest chunk (written and read first); removing it would leave the rest
+    unreachable (lookup counts leading chunks). A budget for about one and a half chunks keeps chunk 0."""
+    keys = store_prefix(setup, tier, 3)
+    sizes = [item.size for item in listed(setup, tier)]
+    assert len(sizes) == 3
+    code, out = setup.invoke("gc", "--tier", tier, "--max-age", "7d", "--max-bytes", str(max(sizes) * 3 // 2), "--yes")
+    assert code == EXIT_OK, out
+    assert stored_keys(setup, tier, "prefix") == {("prefix", keys[0])}, "a chunk kept whose parent gc removed"
+    code, out = setup.invoke("gc", "--tier", tier, "--max-bytes", "0", "--yes")  # and then the head alone
+    assert code == EXIT_OK and stored_keys(setup, tier, "prefix") == set(), out
+
+
+def test_an_old_chunk_with_a_young_descendant_outlives_a_max_age(setup: Setup) -> None:
+    """A chunk is as recent as its most recent descendant: the lookup that reached the young one passed it."""
+    keys = store_prefix(setup, "disk", 3)
+    age_disk_file(setup, "prefix", keys[2], 60.0, time.time())  # the tail was read a minute ago
+    code, out = setup.invoke("gc", "--tier", "disk", "--max-age", "2h", "--yes")
+    assert code == EXIT_OK, out
+    assert stored_keys(setup, "disk", "prefix") == {("prefix", key) for key in keys}
+
+
+def listed(setup: Setup, tier: str) -> list:
+    async def scan() -> list:
+        async with tool_backends(setup.config, [tier]) as backends:
+            return [item async for page in backends[tier].scan(namespace_filter(["prefix"])) for item in page]
+
+    return asyncio.run(scan())
 
 
 # == usage =====================================================================================

@@ -26,10 +26,14 @@ from kvstore import (
 from kvstore.backends.base import ByteRange
 from kvstore.backends.disk import DiskBackend
 from kvstore.codecs import make_codec
+from kvstore.engine.dram import SlabPool
+from kvstore.errors import ConfigError
 from kvstore.storage.tier import ChunkTier
 from kvstore.testing.memory import MemoryBackend
+from kvstore.util import memory
 from kvstore.util.buffers import Buffer
 from kvstore.util.threads import in_thread
+from kvstore.util.units import human_bytes
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32)
 REPO = Path(__file__).resolve().parents[1]
@@ -119,6 +123,96 @@ async def test_bad_input_is_rejected_with_a_clear_error(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="shape"):
             await store.get(key, out=torch.empty(3))
         assert store.stats()["store"]["puts"] == 0
+
+
+async def test_arguments_of_the_wrong_type_name_the_call_and_the_argument(tmp_path: Path) -> None:
+    """A non-tensor raised a bare AttributeError from deep inside; a single key was read as its characters."""
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        keys = store.chunk_keys(tokens(2))
+        with pytest.raises(TypeError, match="put: kv must be a torch.Tensor, got list"):
+            await store.put(keys[0], [[0.0]])
+        with pytest.raises(TypeError, match=r"put_many: kvs\[0\] must be a torch.Tensor, got ndarray"):
+            await store.put_many(keys[:1], [make_chunk(0).float().numpy()])
+        with pytest.raises(TypeError, match=r"get: out must be a torch.Tensor, got list"):
+            await store.get(keys[0], out=[])
+        with pytest.raises(TypeError, match=r"get_many: outs\[1\] must be a torch.Tensor, got str"):
+            await store.get_many(keys, [make_chunk(0), "buffer"])
+        with pytest.raises(TypeError, match=r"get_many: outs must be a sequence of torch.Tensor, got int"):
+            await store.get_many(keys, 2)
+        with pytest.raises(TypeError, match=r"prefetch: outs\[0\] must be a torch.Tensor, got NoneType"):
+            store.prefetch(keys, outs=[None])
+        with pytest.raises(TypeError, match="prefetch: depth must be an int, got str"):
+            store.prefetch(keys, depth="2")
+        for call in ("lookup", "plan", "get_many"):
+            with pytest.raises(TypeError, match=rf"{call}: keys must be a sequence of chunk keys \(str\), got str"):
+                await getattr(store, call)(keys[0])  # one key, not a list of them
+        with pytest.raises(TypeError, match=r"prefetch: keys .* got str \(one key: pass \[key\]\)"):
+            store.prefetch(keys[0])
+        assert store.stats()["store"]["puts"] == 0 and store.stats()["store"]["gets"] == 0
+
+
+async def test_outputs_that_share_memory_are_refused_naming_both_indices(tmp_path: Path) -> None:
+    """The same tensor twice in outs was accepted: both results were one buffer holding the last chunk."""
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        keys = store.chunk_keys(tokens(3))
+        for i, key in enumerate(keys):
+            await store.put(key, make_chunk(i))
+        out = torch.empty(LAYOUT.chunk_shape, dtype=LAYOUT.dtype)
+        with pytest.raises(ValueError, match=r"get_many: outs\[0\] and outs\[2\] share memory"):
+            await store.get_many(keys, [out, torch.empty_like(out), out])
+        elements = out.numel()
+        flat = torch.empty(3 * elements, dtype=LAYOUT.dtype)  # views overlapping by half a chunk
+        overlapping = [flat[i * elements // 2 :][:elements].view(LAYOUT.chunk_shape) for i in range(3)]
+        with pytest.raises(ValueError, match=r"get_many: outs\[0\] and outs\[1\] share memory"):
+            await store.get_many(keys, overlapping)
+        layer = torch.empty(LAYOUT.kv_planes, 3 * LAYOUT.chunk_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        layer = layer.to(LAYOUT.dtype)
+        with pytest.raises(ValueError, match=r"prefetch: outs\[1\] and outs\[3\] share memory"):
+            store.prefetch(keys, outs=[torch.empty_like(layer), layer, torch.empty_like(layer), layer])
+        with pytest.raises(ValueError, match=r"prefetch: outs\[0\] and outs\[1\] share memory"):
+            store.prefetch(keys, outs=[layer, layer[:, :1]])  # a ring of two slots, one inside the other
+        assert store.stats()["store"]["gets"] == 0 and store.stats()["store"]["streamed"] == 0
+
+
+async def test_outputs_interleaved_in_one_tensor_share_no_byte_and_are_filled(tmp_path: Path) -> None:
+    """Views of one tensor that interleave without sharing a byte (a layer-first pool's pages) are fine."""
+    async with KVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        keys = store.chunk_keys(tokens(2))
+        for i, key in enumerate(keys):
+            await store.put(key, make_chunk(i))
+        pool = torch.zeros((LAYOUT.num_layers, LAYOUT.kv_planes, 2 * LAYOUT.chunk_tokens, *LAYOUT.chunk_shape[3:]))
+        pool = pool.to(LAYOUT.dtype)
+        pages = [pool[:, :, i * LAYOUT.chunk_tokens : (i + 1) * LAYOUT.chunk_tokens] for i in range(2)]
+        assert await store.get_many(keys, pages) == pages
+        assert all(torch.equal(page, make_chunk(i)) for i, page in enumerate(pages))
+        shape = (LAYOUT.kv_planes, LAYOUT.num_layers, 2 * LAYOUT.chunk_tokens, *LAYOUT.chunk_shape[3:])
+        layers = torch.zeros(shape, dtype=LAYOUT.dtype)
+        outs = [layers[:, i] for i in range(LAYOUT.num_layers)]  # each layer's planes lie apart
+        async with store.prefetch(keys, outs=outs) as stream:
+            for i in range(LAYOUT.num_layers):
+                assert torch.equal(await stream.layer(i), torch.cat([make_chunk(0)[i], make_chunk(1)[i]], dim=1))
+
+
+def test_a_dram_capacity_above_the_memory_available_is_refused_before_anything_is_allocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a store whose pool cannot fit raised OverflowError, an empty MemoryError, or used up the memory."""
+
+    def allocate(self: SlabPool, segments: int) -> None:
+        raise AssertionError("the pool allocated memory it was refused")
+
+    monkeypatch.setattr(SlabPool, "_grow", allocate)
+    monkeypatch.setattr(memory, "available_memory", lambda: 4 * LAYOUT.chunk_nbytes)
+    with pytest.raises(ConfigError) as excinfo:
+        KVStore(config(tmp_path, slots=16), LAYOUT, namespace="test")
+    text = str(excinfo.value)
+    for part in ("dram.capacity", human_bytes(16 * LAYOUT.chunk_nbytes), human_bytes(4 * LAYOUT.chunk_nbytes)):
+        assert part in text, text
+    assert "lower dram.capacity" in text and "\n" not in text
+    auto = config(tmp_path, slots=4, adaptive={"auto": True, "dram_max": 64 * LAYOUT.chunk_nbytes})
+    monkeypatch.setattr(memory, "machine_memory", lambda: 32 * LAYOUT.chunk_nbytes)  # the config came from elsewhere
+    with pytest.raises(ConfigError, match=r"adaptive.dram_max .* lower adaptive.dram_max"):
+        KVStore(auto, LAYOUT, namespace="test")
 
 
 async def test_cascade_reaches_disk_and_survives_a_restart(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import concurrent.futures
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore, chunk_keys
@@ -63,10 +64,10 @@ class HeldDisk(DiskBackend):
         self.entered, self.go = threading.Event(), threading.Event()
         self.closed = threading.Event()  # the held read has closed its file: it is over
 
-    def open_reader(self, key: str) -> FileReader | None:
+    def open_reader(self, key: str, hit: bool = True) -> FileReader | None:
         self.entered.set()
         self.go.wait(30)
-        reader = super().open_reader(key)
+        reader = super().open_reader(key, hit)
         if reader is None:
             return None
         close, closed = reader.close, self.closed
@@ -96,6 +97,24 @@ async def test_get_many_is_the_async_stores_from_a_thread(tmp_path: Path) -> Non
             assert store.stats()["store"]["hits"] == 6
 
     await asyncio.to_thread(engine_thread)
+
+
+def test_wrong_arguments_name_the_call_and_the_argument_before_anything_runs(tmp_path: Path) -> None:
+    """The facade read ``kv.device`` and ``outs[0].device`` itself: a non-tensor was a bare AttributeError."""
+    with SyncKVStore(config(tmp_path), LAYOUT, namespace="test") as store:
+        keys = keys_for(2)
+        with pytest.raises(TypeError, match="put: kv must be a torch.Tensor, got list"):
+            store.put(keys[0], [0.0])
+        with pytest.raises(TypeError, match=r"put_many: kvs\[1\] must be a torch.Tensor, got NoneType"):
+            store.put_many(keys, [make_chunk(0), None])
+        with pytest.raises(TypeError, match=r"prefetch: outs\[0\] must be a torch.Tensor, got str"):
+            store.prefetch(keys, outs=["layer 0"])
+        with pytest.raises(TypeError, match="lookup: keys must be a sequence of chunk keys"):
+            store.lookup(keys[0])
+        out = caller_buffers(1)[0]
+        with pytest.raises(ValueError, match=r"get_many: outs\[0\] and outs\[1\] share memory"):
+            store.get_many(keys, [out, out])
+        assert store.stats()["store"]["puts"] == 0 and store.stats()["store"]["gets"] == 0
 
 
 async def test_a_cancelled_get_many_writes_nothing_into_outs_once_cancel_returned(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ class ObjectWrite:
 
     key: str
     encode: Callable[[], Sequence[Buffer]]  # the object's parts, in order (a gather list)
+    parent: str | None = None  # the key of the chunk before it in its prefix, where known (see set_link)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +197,21 @@ class Backend(Maintenance, ABC):
         async def write(item: ObjectWrite) -> int:
             parts = await in_thread(executor, item.encode)
             await self.set(item.key, parts)
+            if item.parent is not None:
+                await self.set_link(item.key, item.parent)
             return byte_length(parts)
 
         return await gather_outcomes(write(item) for item in writes)
+
+    async def set_link(self, key: str, parent: str) -> None:
+        """Record ``key``'s parent apart from the object, for a backend whose reads change what the tools
+        judge age by (:attr:`reads_refresh_age`: ``kvstore gc`` then reads links with :meth:`read_parents`,
+        never the chunks' headers). Default: nothing (the chunk's header holds its parent)."""
+
+    def used_in_order(self, keys: Sequence[str]) -> None:
+        """The hits of a batch read through :meth:`read_many` or :meth:`open_many` (its slices done), a prefix's
+        chunks in order: a backend that evicts by a policy (the disk budget) tells it of them tail first, so a
+        prefix's tail leaves before its head. Non-blocking, no I/O. Default: nothing."""
 
     async def read_many(self, reads: Sequence[ObjectRead[T]], executor: Executor | None) -> Outcomes[T]:
         """Do each read's work on its object; per read, the work's result, None if absent, or the exception.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -125,11 +126,13 @@ class DiskBackend(DiskMaintenance, Backend):
     async def open(self) -> None:
         await in_thread(self._executor, self._scan)
 
-    def _scan(self) -> None:
-        """Rebuild the eviction index from this namespace's files, oldest first; sweep stale temporaries.
+    def _check_root(self) -> None:
+        """Create the root (0700) if missing, and check that files can be made in it: else a ConfigError.
 
-        Other namespaces' chunk files are counted for the log and left alone: they are outside
-        this store's budget (their own stores evict them; ``kvstore gc`` manages them all).
+        A file in the way, a read-only file system, ``/proc`` or ``/sys``, a directory without write
+        permission: each is one line naming disk.path and the fix, not an OSError at open (or, for a
+        directory that exists, a failed write per chunk later). The check's file has no name (O_TMPFILE
+        where supported, else a temporary removed at once), so nothing is left behind.
         """
         try:
             make_private_dirs(self.root)
@@ -138,6 +141,29 @@ class DiskBackend(DiskMaintenance, Backend):
                 f"disk.path {self.root} cannot be a directory: {exc.filename} is a file; "
                 "set disk.path to a directory (kvstore creates it, 0700, if missing)"
             ) from None
+        except OSError as exc:  # a read-only file system, /proc, /sys, no permission
+            where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(self.root) else ""
+            raise ConfigError(self._unusable(f"cannot be created: {exc.strerror or exc}{where}")) from None
+        try:
+            with tempfile.TemporaryFile(dir=self.root):
+                pass
+        except OSError as exc:
+            raise ConfigError(self._unusable(f"cannot hold files: {exc.strerror or exc}")) from None
+
+    def _unusable(self, problem: str) -> str:
+        """The one-line error for a root that cannot be made or written to."""
+        return (
+            f"disk.path {self.root} {problem}; set disk.path to a directory on a writable local file system "
+            "(kvstore creates it, 0700, if missing)"
+        )
+
+    def _scan(self) -> None:
+        """Rebuild the eviction index from this namespace's files, oldest first; sweep stale temporaries.
+
+        Other namespaces' chunk files are counted for the log and left alone: they are outside
+        this store's budget (their own stores evict them; ``kvstore gc`` manages them all).
+        """
+        self._check_root()
         found: list[tuple[float, str, int]] = []
         others, others_bytes = 0, 0
         now = time.time()
@@ -217,8 +243,9 @@ class DiskBackend(DiskMaintenance, Backend):
             reader.readinto([as_bytes_view(b) for b in buffers], 0)
         return reader.size
 
-    def open_reader(self, key: str) -> FileReader | None:
-        """The file opened for positioned reads (the caller closes it), or None if absent; a hit for eviction."""
+    def open_reader(self, key: str, hit: bool = True) -> FileReader | None:
+        """The file opened for positioned reads (the caller closes it), or None if absent; a hit for eviction
+        (``hit=False``: told later, with its batch, by :meth:`used_in_order`)."""
         try:
             fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -229,7 +256,7 @@ class DiskBackend(DiskMaintenance, Backend):
         except BaseException:
             os.close(fd)
             raise
-        self._touch(key, stat.st_size, stat.st_mtime)
+        self._touch(key, stat.st_size, stat.st_mtime, hit)
         return FileReader(fd, stat.st_size)
 
     async def exists(self, key: str) -> bool:
@@ -364,7 +391,10 @@ class DiskBackend(DiskMaintenance, Backend):
         return byte_length(parts)
 
     async def read_many(self, reads: Sequence[ObjectRead[T]], executor: Executor | None) -> Outcomes[T]:
-        """The whole batch in one thread call: each file opened, handed to ``from_file``, closed."""
+        """The whole batch in one thread call: each file opened, handed to ``from_file``, closed.
+
+        The hits are told to the budget's eviction policy afterwards, by the tier (:meth:`used_in_order`).
+        """
         return await in_thread(executor, each_caught, partial(self._on_file, keep_open=False), reads)
 
     async def open_many(self, reads: Sequence[ObjectRead[T]], executor: Executor | None) -> Outcomes[T]:
@@ -386,7 +416,7 @@ class DiskBackend(DiskMaintenance, Backend):
 
         A file kept open is noted in ``opened`` (for the caller to close if the result is never used).
         """
-        file = self.open_reader(read.key)
+        file = self.open_reader(read.key, hit=False)  # the batch's hits are told in order (used_in_order)
         if file is None:
             return None
         try:
@@ -408,14 +438,15 @@ class DiskBackend(DiskMaintenance, Backend):
     def _forget(self, key: str) -> None:
         self._budget.forget(self._relative(key))
 
-    def _touch(self, key: str, size: int | None, mtime: float | None) -> None:
-        """Mark a hit: most recent in the index and, for the next start, in the file's mtime.
+    def _touch(self, key: str, size: int | None, mtime: float | None, hit: bool = True) -> None:
+        """Mark a hit: most recent in the index (unless ``hit`` is False: see :meth:`used_in_order`) and, for
+        the next start, in the file's mtime.
 
         The mtime is refreshed at most every MTIME_REFRESH_SECONDS: each refresh dirties the
         inode, and a hot chunk would otherwise cost a journal write per read.
         """
         relative = self._relative(key)
-        if self._budget.mark_used(relative, size):  # another process's file, new to our budget
+        if self._budget.mark_used(relative, size, hit):  # another process's file, new to our budget
             self._budget.evict_to_capacity(kept=relative)
         if mtime is not None and time.time() - mtime < MTIME_REFRESH_SECONDS:
             return
@@ -423,6 +454,10 @@ class DiskBackend(DiskMaintenance, Backend):
             os.utime(f"{self._root_text}/{relative}")
         except OSError:
             pass
+
+    def used_in_order(self, keys: Sequence[str]) -> None:
+        """A batch read's hits, a prefix's chunks in order: the budget's policy hears of them tail first."""
+        self._budget.mark_used_in_order([self._relative(key) for key in keys])
 
     def stats(self) -> dict[str, int | float | str]:
         return self._budget.stats()

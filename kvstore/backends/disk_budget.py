@@ -12,7 +12,7 @@ granted against bytes still on disk.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.backends.files import unlink_quietly
 from kvstore.eviction import DEFAULT_EVICTION, EvictionName, EvictionPolicy, make_policy
@@ -64,11 +64,16 @@ class FileBudget:
             self.used -= self._index.pop(relative, 0)
             self._policy.remove(relative)
 
-    def mark_used(self, relative: str, size: int | None = None) -> bool:
-        """A hit on a file; one not indexed is added when its ``size`` is known. True if added."""
+    def mark_used(self, relative: str, size: int | None = None, hit: bool = True) -> bool:
+        """A hit on a file; one not indexed is added when its ``size`` is known. True if added.
+
+        ``hit=False``: only add it if new; an indexed file's hit is told later, with the rest of its batch
+        (:meth:`mark_used_in_order`).
+        """
         with self.lock:
             if relative in self._index:
-                self._policy.touch(relative)
+                if hit:
+                    self._policy.touch(relative)
                 return False
             if size is None:
                 return False
@@ -76,6 +81,14 @@ class FileBudget:
             self._policy.insert(relative, size)
             self.used += size
             return True
+
+    def mark_used_in_order(self, relatives: Sequence[str]) -> None:
+        """Hits on a batch of files, a prefix's chunks in order: told to the policy last to first, so of them
+        the head is the most recent and the tail goes first (a chunk is loaded only after the ones before it)."""
+        with self.lock:
+            for relative in reversed(relatives):
+                if relative in self._index:
+                    self._policy.touch(relative)
 
     # -- writes ----------------------------------------------------------------------------------
 

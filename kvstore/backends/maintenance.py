@@ -104,6 +104,12 @@ class Maintenance:
         data = await self.read_object(item)
         return None if data is None else data[:size]
 
+    async def read_parents(self, items: Sequence[StoredObject]) -> list[str | None] | None:
+        """Each listed object's parent key as recorded apart from it (:meth:`Backend.set_link`; None where
+        none is), for ``kvstore gc`` to remove prefixes tail first without reading the chunks. None (the
+        default): this backend keeps none apart, and the tools read parents from the chunks' headers."""
+        return None
+
     def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
         """``item`` as :meth:`read_object` found it, for a removal that must spare a rewritten object.
 

@@ -171,6 +171,12 @@ class RedisBackend(RedisMaintenance, Backend):
             self._scratch.pop(0)  # too small for today's chunks
         return bytearray(size + size // 8)  # headroom: compressed sizes vary from chunk to chunk
 
+    async def set_link(self, key: str, parent: str) -> None:
+        """The parent's key in a small value beside the chunk, with the chunk's TTL: ``kvstore gc`` reads it
+        there, since reading the chunk's header would restart its idle time (the age gc judges it by)."""
+        name, ttl = self._link_name(key), self._ttl_ms
+        await self._call("SET", lambda c: c.set(name, parent, px=ttl))
+
     async def exists(self, key: str) -> bool:
         name = self._name(key)
         return bool(await self._call("EXISTS", lambda c: c.exists(name)))

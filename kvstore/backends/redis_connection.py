@@ -44,6 +44,7 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETRIES = 2  # after a server restart the first call meets a dead pooled connection: one retry re-makes it
 BACKOFF_BASE, BACKOFF_CAP = 0.05, 0.5
 DEADLINE_SLACK = 0.25
+LINK_SUFFIX = "~parent"  # a chunk's parent link beside it: read by kvstore gc without touching the chunk
 WARN_EVERY = 30.0  # seconds between "unreachable" warnings (a Cluster missing a node fails some calls only)
 CALL_ERRORS = (RedisError, RedisClusterException, TimeoutError, OSError)
 """What a call may raise when the server is unreachable, slow or refusing (callers that report, not raise, catch it)."""
@@ -152,6 +153,10 @@ class RedisConnection:
 
     def _name(self, key: str, namespace: str | None = None) -> str:
         return f"{self.prefix}:{namespace or self.namespace}:{key}"
+
+    def _link_name(self, key: str, namespace: str | None = None) -> str:
+        """Where a chunk's parent key is kept beside it (:meth:`RedisBackend.set_link`); never listed as a chunk."""
+        return f"{self._name(key, namespace)}{LINK_SUFFIX}"
 
     async def _call(self, what: str, fn: Callable[[Any], Awaitable[T]]) -> T:
         """Run one request under the deadline; count it; keep the password out of any error."""

@@ -105,6 +105,18 @@ class RedisMaintenance(RedisConnection, Maintenance):
         self.bytes_in += len(data)
         return data or None  # Redis answers b"" for an absent key; a chunk is never empty
 
+    async def read_parents(self, items: Sequence[StoredObject]) -> list[str | None] | None:
+        """The links beside the chunks (:meth:`RedisBackend.set_link`), a pipeline of GETs per page: the
+        chunks themselves are not touched, so their idle times (their ages) stay as listed."""
+        parents: list[str | None] = []
+        for page in pages(items):
+            names = [self._link_name(item.key, item.namespace) for item in page]
+            values = await self._pipe("GET", lambda pipe, names=names: [pipe.get(name) for name in names])
+            for value in values:
+                text = value.decode("ascii", "replace") if isinstance(value, bytes) else None
+                parents.append(text if text is not None and _CHUNK_KEY.fullmatch(text) else None)
+        return parents
+
     def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
         """Reading restarted the key's idle time, so the removal checks the bytes read instead."""
         return dataclasses.replace(item, version=("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest()))
@@ -145,7 +157,19 @@ class RedisMaintenance(RedisConnection, Maintenance):
                     report.changed += 1
                 else:
                     report.gone += 1
+            await self._unlink_links([removed.item for removed in report.deleted])
             yield report
+
+    async def _unlink_links(self, items: Sequence[StoredObject]) -> None:
+        """The parent links of removed chunks go too (best effort: one left behind expires with its TTL, or
+        is evicted; it is never listed as a chunk)."""
+        if not items:
+            return
+        names = [self._link_name(item.key, item.namespace) for item in items]
+        try:
+            await self._pipe("UNLINK", lambda pipe: [pipe.unlink(name) for name in names])
+        except CALL_ERRORS:
+            pass
 
 
 # KEYS[1]: the chunk. ARGV: "idle" and the least idle seconds it must show, or "sha1" and its bytes' SHA-1;

@@ -43,9 +43,11 @@ from kvstore.util.units import human_age, human_bytes
 if TYPE_CHECKING:
     from kvstore.backends import RemoveReport
     from kvstore.cli import inventory
+    from kvstore.cli import retention as gc_plans
     from kvstore.config import StoreConfig
 else:
     inventory = Deferred("kvstore.cli.inventory")  # the backends, and torch: only when a command runs
+    gc_plans = Deferred("kvstore.cli.retention")
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -265,7 +267,7 @@ def gc(
     Temporary files that killed writers left on disk (older than 10 minutes) go too.
     """
     try:
-        retention = inventory.Retention(
+        retention = gc_plans.Retention(
             None if max_age is None else parse_duration(max_age, "--max-age"),
             None if max_bytes is None else parse_size(max_bytes, "--max-bytes"),
         )
@@ -279,7 +281,7 @@ def gc(
     raise typer.Exit(code)
 
 
-def check_lifecycle(retention: inventory.Retention, names: list[str] | None, settings: StoreConfig) -> None:
+def check_lifecycle(retention: gc_plans.Retention, names: list[str] | None, settings: StoreConfig) -> None:
     """Refuse --install-lifecycle up front (usage error) unless --max-age is whole days and s3 is selected."""
     if retention.max_age is None or retention.max_age < 86400:
         raise typer.BadParameter("S3 lifecycle rules count whole days: give --max-age of 1d or more")
@@ -291,7 +293,7 @@ async def collect(
     config: StoreConfig,
     tiers: list[str] | None,
     namespaces: list[str] | None,
-    retention: inventory.Retention,
+    retention: gc_plans.Retention,
     dry_run: bool,
     yes: bool,
     install_lifecycle: bool,
@@ -301,7 +303,7 @@ async def collect(
     async with inventory.tool_backends(config, tiers) as backends:
         with progress_bar() as bar:
             tasks = {name: bar.add_task(f"listing {name}", total=None) for name in backends}
-            plans = await inventory.plan_gc(backends, accept, retention, on_page=lambda t, n: bar.advance(tasks[t], n))
+            plans = await gc_plans.plan_gc(backends, accept, retention, on_page=lambda t, n: bar.advance(tasks[t], n))
         where = inventory.sources(backends)
         doomed = sum(len(plan.victims) for plan in plans)
         doomed_bytes = sum(plan.victim_bytes for plan in plans)
@@ -327,7 +329,7 @@ async def collect(
         with inventory.removal_events(config, victims) as events, progress_bar() as bar:
             task = bar.add_task("deleting", total=doomed)
             step = lambda _, report: bar.advance(task, report.handled)  # noqa: E731
-            reports = await inventory.run_gc(backends, plans, step, events)
+            reports = await gc_plans.run_gc(backends, plans, step, events)
         read_from(where)
         console.print(gc_table(plans, reports, dry_run=False))
         print_sweep(await inventory.sweep_temporaries(backends, accept, remove=True))
@@ -364,7 +366,7 @@ def print_sweep(sweep: inventory.TemporarySweep | None) -> None:
         console.print(f"left {sweep.fresh:,} temporary files younger than {minutes}: a writer may still own them")
 
 
-def gc_table(plans: list[inventory.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
+def gc_table(plans: list[gc_plans.TierPlan], reports: dict[str, RemoveReport] | None, dry_run: bool) -> Table:
     """The plan per tier (what is listed, what goes, what is left) and, after a run, what happened."""
     title = "kvstore gc (dry run: nothing deleted)" if dry_run else "kvstore gc"
     columns = ["tier", "age is since", "listed", "listed bytes", "to delete", "bytes"]
@@ -383,7 +385,7 @@ def gc_table(plans: list[inventory.TierPlan], reports: dict[str, RemoveReport] |
     return table
 
 
-async def lifecycle(backend: Any, retention: inventory.Retention, namespaces: list[str] | None, dry_run: bool) -> None:
+async def lifecycle(backend: Any, retention: gc_plans.Retention, namespaces: list[str] | None, dry_run: bool) -> None:
     """One rule for the whole prefix, or for one namespace when exactly one plain name was given."""
     from kvstore.keys import namespace_dir
 

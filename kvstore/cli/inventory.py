@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
 from kvstore.backends.disk import DiskBackend
@@ -42,6 +42,7 @@ from kvstore.storage.container import HEADER_ALIGN, check_stored_chunk, header_c
 from kvstore.util.threads import in_thread
 from kvstore.util.units import clip
 
+T = TypeVar("T")
 NOT_A_CHUNK = "(not a chunk)"  # ls's codec for an object whose header does not check out
 AGE_BUCKETS: tuple[tuple[float, str], ...] = (
     (3600, "< 1h"),
@@ -193,11 +194,9 @@ async def list_objects(
 # -- ls and stats --------------------------------------------------------------------------------
 
 
-async def read_codec(backend: Backend, item: StoredObject) -> str | None:
-    """The codec pipeline ``item`` is stored with, from its header (one small ranged read); None if it is gone.
-
-    An object whose header does not check out reads as :data:`NOT_A_CHUNK` (``verify`` says why).
-    """
+async def read_header_field(backend: Backend, item: StoredObject, field: Callable[[bytes], T], damaged: T) -> T | None:
+    """``field`` of ``item``'s chunk header (one small ranged read, two for a header over 4 KiB): ``damaged``
+    for a header that does not check out (``field`` raising ChunkFormatError too); None if the object is gone."""
     with reaching(backend):
         head = await backend.read_head(item, HEADER_ALIGN)  # every header of up to ~250 layers fits
         if head is None:
@@ -208,9 +207,30 @@ async def read_codec(backend: Backend, item: StoredObject) -> str | None:
                 head = await backend.read_head(item, needed)
                 if head is None:
                     return None
-            return header_codec(head)
+            return field(head)
         except ChunkFormatError:
-            return NOT_A_CHUNK
+            return damaged
+
+
+async def read_header_fields(
+    backend: Backend,
+    objects: Sequence[StoredObject],
+    field: Callable[[bytes], T],
+    damaged: T,
+    concurrency: int = 16,
+    on_read: Callable[[int], None] | None = None,
+) -> list[T | None]:
+    """:func:`read_header_field` of each object, ``concurrency`` reads in flight, in the order of ``objects``."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(item: StoredObject) -> T | None:
+        async with slots:
+            value = await read_header_field(backend, item, field, damaged)
+        if on_read is not None:
+            on_read(1)
+        return value
+
+    return list(await asyncio.gather(*(one(item) for item in objects)))
 
 
 async def read_codecs(
@@ -219,17 +239,9 @@ async def read_codecs(
     concurrency: int = 16,
     on_read: Callable[[int], None] | None = None,
 ) -> list[str | None]:
-    """:func:`read_codec` of each object, ``concurrency`` reads in flight, in the order of ``objects``."""
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(item: StoredObject) -> str | None:
-        async with slots:
-            codec = await read_codec(backend, item)
-        if on_read is not None:
-            on_read(1)
-        return codec
-
-    return list(await asyncio.gather(*(one(item) for item in objects)))
+    """The codec pipeline each object is stored with, from its header (None: gone since listed; :data:`NOT_A_CHUNK`:
+    its header does not check out, ``verify`` says why), ``concurrency`` reads in flight, in the order of ``objects``."""
+    return await read_header_fields(backend, objects, header_codec, NOT_A_CHUNK, concurrency, on_read)
 
 
 @dataclass
@@ -266,103 +278,6 @@ def summarize(
     for row in rows.values():
         row.codecs = dict(sorted(row.codecs.items(), key=lambda entry: (-entry[1], entry[0])))
     return sorted(rows.values(), key=lambda row: (-row.bytes, row.namespace))
-
-
-# -- gc -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Retention:
-    """What gc keeps: chunks younger than ``max_age``, then the newest that fit in ``max_bytes`` per tier."""
-
-    max_age: float | None = None  # seconds since the last write (or access, where the tier records it)
-    max_bytes: int | None = None  # per tier, over the namespaces selected
-
-    def __post_init__(self) -> None:
-        if self.max_age is None and self.max_bytes is None:
-            raise ValueError("give a maximum age, a byte budget, or both")
-        if (self.max_age is not None and self.max_age < 0) or (self.max_bytes is not None and self.max_bytes < 0):
-            raise ValueError("the maximum age and the byte budget cannot be negative")
-
-
-def choose_victims(objects: Sequence[StoredObject], retention: Retention, now: float) -> list[StoredObject]:
-    """Everything older than the maximum age, then the oldest of the rest until the budget holds.
-
-    Ties in time are broken by key, so the same listing always gives the same choice.
-    """
-    ordered = sorted(objects, key=lambda item: (item.when, item.key))  # oldest first
-    victims: list[StoredObject] = []
-    kept: list[StoredObject] = []
-    for item in ordered:
-        too_old = retention.max_age is not None and now - item.when > retention.max_age
-        (victims if too_old else kept).append(item)
-    if retention.max_bytes is not None:
-        remaining = sum(item.size for item in kept)
-        for item in kept:
-            if remaining <= retention.max_bytes:
-                break
-            victims.append(item)
-            remaining -= item.size
-    return victims
-
-
-@dataclass
-class TierPlan:
-    """One tier's gc plan: everything listed, and the victims chosen from it (deleted only if still as listed)."""
-
-    tier: str
-    age_basis: str
-    listed: list[StoredObject]
-    victims: list[StoredObject]
-
-    @property
-    def listed_bytes(self) -> int:
-        """Bytes of everything listed."""
-        return sum(item.size for item in self.listed)
-
-    @property
-    def victim_bytes(self) -> int:
-        """Bytes of the chosen victims."""
-        return sum(item.size for item in self.victims)
-
-
-async def plan_gc(
-    backends: dict[str, Backend],
-    accept: Callable[[str], bool] | None,
-    retention: Retention,
-    *,
-    now: float | None = None,
-    on_page: Callable[[str, int], None] | None = None,
-) -> list[TierPlan]:
-    """List every tier, then choose what goes. Nothing is deleted: a dry run is exactly this."""
-    plans = []
-    for name, backend in backends.items():
-        objects = await list_objects(backend, accept, None if on_page is None else lambda n, t=name: on_page(t, n))
-        moment = time.time() if now is None else now
-        plans.append(TierPlan(name, backend.age_basis, objects, choose_victims(objects, retention, moment)))
-    return plans
-
-
-async def run_gc(
-    backends: dict[str, Backend],
-    plans: Sequence[TierPlan],
-    progress: Callable[[str, RemoveReport], None] | None = None,
-    events: RemovalEvents | None = None,
-) -> dict[str, RemoveReport]:
-    """Remove each plan's victims that are still as listed; per tier, what happened.
-
-    ``events``: publish each tier's removals, each chunk named from its header (read just before
-    its deletion: one small read per deleted object, only then).
-    """
-    reports = {}
-    for plan in plans:
-        step: Progress | None = None if progress is None else (lambda report, t=plan.tier: progress(t, report))
-        head_bytes = HEAD_BYTES if events is not None else 0
-        report = await backends[plan.tier].remove_unchanged(plan.victims, step, head_bytes=head_bytes)
-        reports[plan.tier] = report
-        if events is not None:
-            events.report(plan.tier, backends[plan.tier], report)
-    return reports
 
 
 # -- temporary files -----------------------------------------------------------------------------

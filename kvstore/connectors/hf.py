@@ -66,7 +66,7 @@ from kvstore.connectors.identity import default_namespace
 from kvstore.engine.planner import LoadPlan
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import PrefetchError
-from kvstore.keys import ChunkKey
+from kvstore.keys import ChunkKey, chain_parents
 from kvstore.layout import KVLayout
 
 __all__ = [
@@ -230,7 +230,8 @@ class HFConnector:
         for begin in range(first, last, group):
             end = min(begin + group, last)
             chunks = self._chunks(cache, starts, begin, end)
-            accepted = sum(self.store.put_many(keys[begin:end], list(chunks)))
+            parents = chain_parents(keys[begin:end], keys[begin - 1] if begin else None)
+            accepted = sum(self.store.put_many(keys[begin:end], list(chunks), parents=parents))
             saved += accepted
             self.counters["save_rejected"] += end - begin - accepted
         self.counters["saved_chunks"] += saved

@@ -24,6 +24,7 @@ import asyncio
 import json
 import platform
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.engine.store import KVStore
 from kvstore.eviction import POLICIES, make_policy
+from kvstore.keys import chain_parents
 from kvstore.layout import KVLayout
 from kvstore.sizing import workloads
 from kvstore.sizing.traces import flatten, trace_key
@@ -103,31 +105,52 @@ def synthetic_workloads(requests: int) -> dict[str, Callable[[], Chains]]:
 # -- replay ------------------------------------------------------------------------------------
 
 
-def simulate(chains: Sequence[np.ndarray], policy: str, capacity: int) -> int:
-    """Chunk hits of a cache of ``capacity`` chunks evicting by ``policy``, each request found then stored."""
+class Replay(NamedTuple):
+    """What a replay hit: chunks found anywhere in their request, and chunks an engine could use."""
+
+    hits: int  # chunks found in the cache
+    usable: int  # chunks of each request's leading run found (lookup counts leading chunks: what is loaded)
+
+
+def leading_run(found: Sequence[bool]) -> int:
+    """How many of the first chunks were found: the prefix an engine loads instead of recomputing."""
+    return next((index for index, hit in enumerate(found) if not hit), len(found))
+
+
+def simulate(chains: Sequence[np.ndarray], policy: str, capacity: int, tail_first: bool = True) -> Replay:
+    """Hits of a cache of ``capacity`` chunks evicting by ``policy``, each request found then stored.
+
+    As the store reports a batch to its pool's policy: with ``tail_first`` (what it does) the request's
+    hits are touched last to first and its misses inserted last to first, so of a request's chunks the
+    tail is the least recent; ``tail_first=False`` is the order it used before (head first), for
+    comparison. The misses are stored as one ``put_many``: room is made first (they are published
+    unranked, so none of them is evicted for another), and those past the free slots are rejected.
+    """
     cache = make_policy(policy, capacity)
-    hits = 0
+    hits = usable = 0
     for chain in chains:
         ids = chain.tolist()
-        missed = []
-        for chunk in ids:
-            if chunk in cache:
-                cache.touch(chunk)
-                hits += 1
-            else:
-                missed.append(chunk)
-        for chunk in missed:
-            if len(cache) >= capacity:
-                cache.evict()
+        found = [chunk in cache for chunk in ids]
+        hits += sum(found)
+        usable += leading_run(found)
+        touched = [chunk for chunk, hit in zip(ids, found, strict=True) if hit]
+        missed = [chunk for chunk, hit in zip(ids, found, strict=True) if not hit]
+        for chunk in reversed(touched) if tail_first else touched:
+            cache.touch(chunk)
+        for _ in range(len(cache) + len(missed) - capacity):
+            if cache.evict() is None:
+                break
+        stored = missed[: capacity - len(cache)]
+        for chunk in reversed(stored) if tail_first else stored:
             cache.insert(chunk)
-    return hits
+    return Replay(hits, usable)
 
 
-async def replay_store(chains: Sequence[np.ndarray], policy: str, capacity: int) -> int:
+async def replay_store(chains: Sequence[np.ndarray], policy: str, capacity: int) -> Replay:
     """DRAM hits of a real DRAM-only KVStore of ``capacity`` chunks with ``dram.eviction = policy``.
 
     Each request: ``get_many`` of its chunks (the hits are loaded, which the pool's policy sees),
-    then ``put`` of the ones it missed.
+    then one ``put_many`` of the ones it missed, each with its parent.
     """
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=16)  # 512-byte chunks: traffic, not bytes
     config = StoreConfig(
@@ -137,18 +160,21 @@ async def replay_store(chains: Sequence[np.ndarray], policy: str, capacity: int)
     chunk = torch.zeros(layout.chunk_shape, dtype=layout.dtype)
     longest = max((len(chain) for chain in chains), default=0)
     outs = [torch.empty_like(chunk) for _ in range(longest)]
-    hits = 0
+    hits = usable = 0
     async with KVStore(config, layout, "bench-eviction") as store:
         if store.pool.eviction != policy:
             raise RuntimeError(f"the store's DRAM pool evicts by {store.pool.eviction!r}, not dram.eviction {policy!r}")
         for chain in chains:
             keys = [trace_key(int(chunk_id)) for chunk_id in chain]
-            found = await store.get_many(keys, outs[: len(keys)])
-            hits += sum(result is not None for result in found)
-            for key, result in zip(keys, found, strict=True):
-                if result is None:
-                    await store.put(key, chunk)
-    return hits
+            found = [result is not None for result in await store.get_many(keys, outs[: len(keys)])]
+            hits += sum(found)
+            usable += leading_run(found)
+            parents = chain_parents(keys)
+            missed = [i for i, hit in enumerate(found) if not hit]
+            await store.put_many(
+                [keys[i] for i in missed], [chunk] * len(missed), parents=[parents[i] for i in missed]
+            )
+    return Replay(hits, usable)
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -160,11 +186,18 @@ def sizes_for(chains: Sequence[np.ndarray], fractions: Sequence[float] = SIZE_FR
 
 
 def table(name: str, chains: Sequence[np.ndarray], policies: Sequence[str], sizes: Sequence[int]) -> list[str]:
-    """One workload's rows: size, then each policy's hit ratio, then each non-LRU policy's ratio over LRU's."""
+    """One workload's rows: size; each policy's chunk hit ratio, then its usable hit ratio (the leading run an
+    engine loads); each non-LRU policy's usable ratio over LRU's; and LRU's usable ratio with the head-first
+    order the store used before (a prefix's head evicted first, its tail left unreachable)."""
     references = sum(len(chain) for chain in chains)
     distinct = workloads.distinct(flatten(chains))
     others = [policy for policy in policies if policy != "lru"]
-    header = ["cache (chunks)", *policies, *(f"{policy}/lru" for policy in others)]
+    header = [
+        "cache (chunks)",
+        *(f"{policy} hits / usable" for policy in policies),
+        *(f"{policy}/lru usable" for policy in others),
+        "lru usable, head first",
+    ]
     lines = [
         f"{name}: {len(chains):,} requests, {references:,} chunk references, {distinct:,} distinct "
         f"(an unbounded cache hits {1 - distinct / references:.1%})",
@@ -172,29 +205,31 @@ def table(name: str, chains: Sequence[np.ndarray], policies: Sequence[str], size
         "|" + "---|" * len(header),
     ]
     for size in sizes:
-        rates = {policy: simulate(chains, policy, size) / references for policy in policies}
-        ratios = [f"{rates[p] / rates['lru']:.2f}x" if rates["lru"] else "n/a" for p in others]
-        lines.append(
-            f"| {size:,} ({size / distinct:.0%}) | "
-            + " | ".join(f"{rates[p]:.1%}" for p in policies)
-            + " | "
-            + " | ".join(ratios)
-            + " |"
-        )
+        replays = {policy: simulate(chains, policy, size) for policy in policies}
+        head_first = simulate(chains, "lru", size, tail_first=False)
+        usable_lru = replays["lru"].usable
+        cells = [f"{size:,} ({size / distinct:.0%})"]
+        cells += [f"{r.hits / references:.1%} / {r.usable / references:.1%}" for r in replays.values()]
+        cells += [f"{replays[p].usable / usable_lru:.2f}x" if usable_lru else "n/a" for p in others]
+        cells.append(f"{head_first.usable / references:.1%}")
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def store_check(name: str, chains: Chains, policies: Sequence[str], size: int) -> list[str]:
-    """The real store's DRAM hit ratio per policy beside the simulation's, on one workload and size."""
+    """The real store's DRAM hit ratios per policy beside the simulation's, on one workload and size."""
     references = sum(len(chain) for chain in chains)
     lines = [
         f"through a real KVStore ({name}, DRAM of {size:,} chunks, dram.eviction set per row):",
-        "| policy | KVStore DRAM hit ratio | simulated |",
+        "| policy | KVStore hits / usable | simulated hits / usable |",
         "|---|---|---|",
     ]
     for policy in policies:
-        stored = asyncio.run(replay_store(chains, policy, size))
-        lines.append(f"| {policy} | {stored / references:.2%} | {simulate(chains, policy, size) / references:.2%} |")
+        stored, simulated = asyncio.run(replay_store(chains, policy, size)), simulate(chains, policy, size)
+        lines.append(
+            f"| {policy} | {stored.hits / references:.2%} / {stored.usable / references:.2%} | "
+            f"{simulated.hits / references:.2%} / {simulated.usable / references:.2%} |"
+        )
     return lines
 
 

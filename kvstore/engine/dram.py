@@ -1,5 +1,9 @@
 """The DRAM primary tier: a pre-allocated slab of chunk-sized slots with an eviction policy and ref-counts.
 
+A pool larger than the memory available when it is built (``MemAvailable``, within the cgroup's
+limit: :mod:`kvstore.util.memory`), or resizable past the machine's memory, is refused with a
+ConfigError naming the key before anything is allocated.
+
 Memory is allocated and touched once, when a segment is added: allocating per chunk would pay
 the first-touch page faults (0.2-2.5 GB/s here) on every put. With CUDA present the slab is
 pinned so copies to and from the GPU run at full PCIe speed. A slot referenced by an in-flight
@@ -25,16 +29,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from kvstore.errors import ConfigError
 from kvstore.events import DRAM_MEDIUM, NO_EVENTS, TierEvents
 from kvstore.eviction import DEFAULT_EVICTION, EvictionName, EvictionPolicy, make_policy
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
+from kvstore.util import memory
 from kvstore.util.buffers import tensor_bytes
+from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore.dram")
 
@@ -56,6 +63,23 @@ def _should_pin(pin_memory: Literal["auto", "always", "never"]) -> bool:
     if pin_memory == "always" and not available:
         raise RuntimeError("dram.pin_memory = 'always' needs CUDA, and torch.cuda.is_available() is False")
     return available
+
+
+def _refuse_beyond_memory(capacity_bytes: int, max_bytes: int | None) -> None:
+    """A ConfigError for a pool that cannot fit: ``capacity_bytes`` (allocated now) above the memory available
+    now, or ``max_bytes`` (what auto mode may grow to) above the machine's. Unknown memory checks nothing."""
+    available = memory.available_memory()
+    if available is not None and capacity_bytes > available:
+        raise ConfigError(
+            f"dram.capacity {human_bytes(capacity_bytes)} ({capacity_bytes:,} bytes) is more than the memory "
+            f"available now ({human_bytes(available)}); lower dram.capacity, or free memory"
+        )
+    total = memory.machine_memory()
+    if max_bytes is not None and total is not None and max_bytes > total:
+        raise ConfigError(
+            f"adaptive.dram_max {human_bytes(max_bytes)} ({max_bytes:,} bytes) is more than this machine's memory "
+            f"({human_bytes(total)}); lower adaptive.dram_max"
+        )
 
 
 class SlabPool:
@@ -86,6 +110,7 @@ class SlabPool:
             )
         if max_bytes is not None and max_bytes < capacity_bytes:
             raise ValueError(f"max_bytes must be at least capacity_bytes ({max_bytes} < {capacity_bytes})")
+        _refuse_beyond_memory(capacity_bytes, max_bytes)  # before anything is allocated, even the slot lists
         self.max_slots = (capacity_bytes if max_bytes is None else max_bytes) // self.slot_bytes
         # no max_bytes: no resizing asked for, so one segment holds everything (as before segments)
         self.seg_slots = self.max_slots if max_bytes is None else max(1, self.max_slots // SEGMENTS)
@@ -181,11 +206,13 @@ class SlabPool:
             self._refs[slot] = 1
             return slot
 
-    def publish(self, slot: int, key: ChunkKey) -> bool:
+    def publish(self, slot: int, key: ChunkKey, *, ranked: bool = True) -> bool:
         """Make a reserved, filled slot findable under ``key``; False if the key was already there.
 
         A slot whose segment a shrink retired meanwhile is taken (True: the caller goes on, e.g.
         writes it to the next tier) but dropped at once, as if the shrink had come just after.
+        ``ranked=False``: the eviction policy is told later, with the rest of a batch (:meth:`rank`);
+        until then the chunk is not evicted.
         """
         with self._lock:
             if key in self._index:
@@ -195,18 +222,37 @@ class SlabPool:
                 return True
             self._index[key] = slot
             self._key_of[slot] = key
-            self._policy.insert(key)
+            if ranked:
+                self._policy.insert(key)
             self.events.stored(DRAM_MEDIUM, [key])
             return True
 
+    def rank(self, keys: Sequence[ChunkKey]) -> None:
+        """Tell the eviction policy of chunks published unranked, a batch in prefix order: tail first.
+
+        The batch's last chunk is inserted first, so it is the least recent of them and goes first: a
+        full pool drops a prefix's tail before its head (a chunk is loaded only after the ones before
+        it), as vLLM frees a request's blocks in reverse. Keys gone meanwhile are skipped.
+        """
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._index and key not in self._policy:
+                    self._policy.insert(key)
+
     def acquire(self, key: ChunkKey) -> int | None:
         """The key's slot with a reference taken (a hit, told to the eviction policy), or None."""
+        return self.acquire_many([key])[0]
+
+    def acquire_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        """:meth:`acquire` of each key (a batch in prefix order), the hits told to the eviction policy tail first:
+        the batch's first chunk is the most recent of them, so its tail goes before its head (see :meth:`rank`)."""
         with self._lock:
-            slot = self._index.get(key)
-            if slot is not None:
-                self._refs[slot] += 1
-                self._policy.touch(key)
-            return slot
+            slots = [self._index.get(key) for key in keys]
+            for key, slot in zip(reversed(keys), reversed(slots), strict=True):
+                if slot is not None:
+                    self._refs[slot] += 1
+                    self._policy.touch(key)
+            return slots
 
     def retain(self, slot: int) -> None:
         """One more reference to a slot the caller already holds."""

@@ -36,6 +36,7 @@ from kvstore.backends import make_backend
 from kvstore.codecs import CodecPipeline, make_codec
 from kvstore.config import StoreConfig
 from kvstore.engine import metrics
+from kvstore.engine.arguments import check_keys, check_tensor, check_tensors, refuse_shared_memory
 from kvstore.engine.cascade import WriteCascade
 from kvstore.engine.costs import bus_bandwidth, copy_bandwidth, measured_costs
 from kvstore.engine.dram import SlabPool
@@ -54,6 +55,7 @@ from kvstore.sizing.advice import Advice, CostModel, Policy, advise
 from kvstore.sizing.mrc import ReuseProfile
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.layer_reader import ReaderTier
+from kvstore.storage.links import PrefixLinks
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread, usable_cores
@@ -108,8 +110,11 @@ class KVStore:
         self._held_back = HeldBack(2 * self.pool.max_slots)
         self._auto: AutoMode | None = None  # made at open(), with the tracker
         self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
+        # each chunk's parent as put or read, written into every tier's copy (kvstore.storage.links)
+        self.links = PrefixLinks(max(1 << 16, 2 * self.pool.max_slots))
         for tier in self.tiers:
             tier.report_to(self.events)
+            tier.share_links(self.links)
         self._remote_below = any(not tier.is_local for tier in self.tiers)  # puts copy off the loop (_copy_in)
         self._counters = {  # what the engine asked: stats()["store"], the kvstore_* counters
             "puts": 0,
@@ -266,38 +271,68 @@ class KVStore:
 
     # -- put ---------------------------------------------------------------------------------
 
-    async def put(self, key: ChunkKey, kv: torch.Tensor, *, ready: Completion | None = None) -> bool:
+    async def put(
+        self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None, ready: Completion | None = None
+    ) -> bool:
         """Copy ``kv`` into DRAM and queue it for every secondary tier; returns without I/O.
 
         False when every DRAM slot is held by an in-flight transfer (counted as rejected). A ``kv``
         on a device is copied asynchronously, after ``ready`` (the event its producer recorded;
         default: this thread's current stream), and must not be changed until that copy is done
         (``flush`` waits for it); the chunk is found once the copy has completed.
+
+        ``parent``: the key of the chunk before this one in its prefix (``keys[i - 1]`` of the same
+        :func:`~kvstore.keys.chunk_keys` list), if the caller knows it. Each tier's copy records it,
+        so that retention removes a prefix tail first (:mod:`kvstore.storage.links`); without it a
+        chunk counts as the first of its own prefix there.
         """
-        return (await self.put_many([key], [kv], ready=ready))[0]
+        check_tensor(kv, "put: kv")
+        return (await self.put_many([key], [kv], parents=[parent], ready=ready))[0]
 
     async def put_many(
-        self, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor], *, ready: Completion | None = None
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        *,
+        parents: Sequence[ChunkKey | None] | None = None,
+        ready: Completion | None = None,
     ) -> list[bool]:
-        """``put`` of several chunks; the ones on a device cross the bus as one batch of asynchronous copies."""
+        """``put`` of several chunks; the ones on a device cross the bus as one batch of asynchronous copies.
+
+        ``parents``: each chunk's ``parent`` (see :meth:`put`); for consecutive chunks of one prefix,
+        :func:`~kvstore.keys.chain_parents` makes them. The DRAM pool's eviction policy hears of the
+        batch tail first (its last chunk, the first to go, is the least recent of them).
+        """
         self._check_open()
+        check_keys(keys, "put_many")
+        check_tensors(kvs, "put_many: kvs")
         if len(keys) != len(kvs):
             raise ValueError(f"put_many: {len(keys)} keys but {len(kvs)} chunks")
-        for key, kv in zip(keys, kvs, strict=True):
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"put_many: {len(keys)} keys but {len(parents)} parents")
+        for i, (key, kv) in enumerate(zip(keys, kvs, strict=True)):
             key_to_bytes(key)
-            self._check_chunk(kv, "kv")
+            self._check_chunk(kv, f"put_many: kvs[{i}]")
+        if parents is not None:
+            for parent in parents:
+                if parent is not None:
+                    key_to_bytes(parent)
+            self.links.note_chain(keys, parents)
         devices = {kv.device for kv in kvs if self.transfers.crosses_bus(kv)}
         if len(devices) > 1:
             raise ValueError(f"put_many: chunks on several devices ({sorted(map(str, devices))}); one call per device")
         accepted: list[bool] = []
         downloads: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot, device chunk)
         landing: list[tuple[ChunkKey, int, Sequence[ChunkTier]]] = []  # what to publish once they are in
+        published: list[ChunkKey] = []  # findable now, told to the eviction policy once the batch is in
         try:
-            await self._put_each(keys, kvs, accepted, downloads, landing)
+            await self._put_each(keys, kvs, accepted, downloads, landing, published)
         except BaseException:
             for _, slot, _ in landing:  # reserved for copies never issued
                 self.pool.release(slot)
             raise
+        finally:
+            self.pool.rank(published)
         if downloads:
             self._download(downloads, landing, ready)
         await asyncio.sleep(0)  # let the cascade workers start this write while the engine goes on
@@ -310,8 +345,10 @@ class KVStore:
         accepted: list[bool],
         downloads: list[tuple[torch.Tensor, torch.Tensor]],
         landing: list[tuple[ChunkKey, int, Sequence[ChunkTier]]],
+        published: list[ChunkKey],
     ) -> None:
-        """Each chunk into a slot: CPU chunks copied now, device chunks noted for one batch of copies."""
+        """Each chunk into a slot: CPU chunks copied now (and ``published``), device chunks noted for one batch
+        of copies."""
         for key, kv in zip(keys, kvs, strict=True):
             self._counters["puts"] += 1
             if self.pool.contains(key):
@@ -334,7 +371,8 @@ class KVStore:
             try:
                 await self._copy_in(self.pool.tensor(slot), kv.detach())  # detach: no autograd history in the slot
                 self._check_open()  # closed while the copy ran: the queues are gone (the slot is released below)
-                self._publish(key, slot, below)
+                if self._publish(key, slot, below):
+                    published.append(key)
             finally:
                 self.pool.release(slot)
 
@@ -350,14 +388,16 @@ class KVStore:
         self._device_puts.add(landed)
 
         def publish() -> None:
+            published: list[ChunkKey] = []
             try:
                 for key, slot, below in landing:
                     try:
-                        if self._state == "open":
-                            self._publish(key, slot, below)
+                        if self._state == "open" and self._publish(key, slot, below):
+                            published.append(key)
                     finally:
                         self.pool.release(slot)
             finally:
+                self.pool.rank(published)
                 self._device_puts.discard(landed)
                 if not landed.done():
                     landed.set_result(None)
@@ -377,15 +417,20 @@ class KVStore:
             raise
         self.transfers.after(copies, publish, loop, failed)
 
-    def _publish(self, key: ChunkKey, slot: int, below: Sequence[ChunkTier]) -> None:
-        """A filled slot (referenced by the caller): findable under ``key``, and queued for the tiers ``below``."""
-        if not self.pool.publish(slot, key):  # another put of the same key won the race
+    def _publish(self, key: ChunkKey, slot: int, below: Sequence[ChunkTier]) -> bool:
+        """A filled slot (referenced by the caller): findable under ``key``, and queued for the tiers ``below``.
+
+        Not yet told to the eviction policy: the caller ranks its batch (``pool.rank``) once it is in. False
+        if another put of the same key won the race.
+        """
+        if not self.pool.publish(slot, key, ranked=False):
             self._counters["put_duplicate"] += 1
-            return
+            return False
         self._cascade.enqueue(below, key, slot)
         if below is not self.tiers:
             self._held_back.add(key)
             self.adaptive.held_back += 1
+        return True
 
     async def _copy_in(self, target: torch.Tensor, kv: torch.Tensor) -> None:
         """Copy a chunk into its slot: in the copy thread when a remote tier is below, else on the loop.
@@ -411,7 +456,7 @@ class KVStore:
         Each secondary tier is asked at most once (one query for every key DRAM lacks), and the
         call waits at most ``timeouts.get`` in all: a tier that has not answered by then holds nothing.
         """
-        return len(await self._held(keys))
+        return len(await self._held(keys, "lookup"))
 
     async def plan(self, keys: Sequence[ChunkKey]) -> LoadPlan:
         """``lookup``, with which tier holds each chunk and how many are worth loading (engine/planner.py).
@@ -419,14 +464,15 @@ class KVStore:
         ``plan.held`` is ``lookup``'s answer; load ``plan.load`` leading chunks and recompute the
         rest: their expected load time is no more than their expected recompute time.
         """
-        holders = await self._held(keys)
+        holders = await self._held(keys, "plan")
         self.planner.sync(self.tiers)
         names = [DRAM if tier is None else tier.name for tier in holders]
         return self.planner.plan(names, [tier is None or tier.is_local for tier in holders])
 
-    async def _held(self, keys: Sequence[ChunkKey]) -> list[ChunkTier | None]:
-        """Per leading key some tier holds, the fastest that holds it (None: DRAM)."""
+    async def _held(self, keys: Sequence[ChunkKey], call: str) -> list[ChunkTier | None]:
+        """Per leading key some tier holds, the fastest that holds it (None: DRAM); ``call`` names the caller."""
         self._check_open()
+        check_keys(keys, call)
         start = time.perf_counter()
         keys = list(keys)
         for key in keys:
@@ -445,6 +491,9 @@ class KVStore:
 
         Pass ``out`` (pre-allocated, chunk-shaped) on hot paths: a fresh tensor pays page faults.
         """
+        self._check_open()
+        if out is not None:
+            self._check_chunk(out, "get: out")
         return (await self.get_many([key], None if out is None else [out]))[0]
 
     async def get_many(
@@ -459,16 +508,20 @@ class KVStore:
         The reads wait at most ``timeouts.get`` in all (one deadline for the call, whatever the
         number of chunks or tiers) and stage through the DRAM slots free, in rounds: a pool with
         fewer free slots than ``keys`` still loads every chunk the tiers hold, with or without ``outs``.
+        ``outs`` must not share memory (the same tensor twice, or overlapping views): a ValueError names the two.
         """
         self._check_open()
         start = time.perf_counter()
+        check_keys(keys, "get_many")
         for key in keys:
             key_to_bytes(key)
         if outs is not None:
+            check_tensors(outs, "get_many: outs")
             if len(outs) != len(keys):
                 raise ValueError(f"get_many: {len(keys)} keys but {len(outs)} output tensors")
-            for out in outs:
-                self._check_chunk(out, "out")
+            for i, out in enumerate(outs):
+                self._check_chunk(out, f"get_many: outs[{i}]")
+            refuse_shared_memory(outs, "get_many", "outs", "each chunk needs a buffer of its own")
         self._counters["gets"] += len(keys)
         results: list[torch.Tensor | None] = [None] * len(keys)
 
@@ -484,7 +537,7 @@ class KVStore:
                 copy_between(outs[i].detach(), source)
                 results[i] = outs[i]
 
-        slots = [self.pool.acquire(key) for key in keys]
+        slots = self.pool.acquire_many(keys)
         try:
             self._release_held_back(keys, slots)
             for i, slot in enumerate(slots):
@@ -598,13 +651,18 @@ class KVStore:
 
         ``async for layer, kv in store.prefetch(keys[:n])``: ``kv`` is layer ``layer`` of all
         chunks, ``[planes, n * chunk_tokens, heads, head_dim]`` (into ``outs[layer]`` if given).
-        A layer that cannot be loaded raises :class:`kvstore.engine.prefetch.PrefetchError`.
+        A layer that cannot be loaded raises :class:`kvstore.engine.prefetch.PrefetchError`. ``outs`` (one per
+        layer, or a ring of fewer) must not share memory: a ValueError names the two.
         CUDA ``outs`` are written only after the work queued so far on this thread's current stream
         (``ready``, recorded by :class:`SyncKVStore` on the engine's thread), which may still read them.
         """
         self._check_open()
+        check_keys(keys, "prefetch")
         for key in keys:
             key_to_bytes(key)
+        if outs is not None:  # their shapes are LayerStream's to check
+            check_tensors(outs, "prefetch: outs")
+            refuse_shared_memory(outs, "prefetch", "outs", "each layer (or slot of a ring) needs a buffer of its own")
         if ready is None and outs:
             ready = ready_on_current_stream(outs[0].device)
         stream = LayerStream(self._stream_sources, keys, depth, outs, ready)
@@ -637,6 +695,8 @@ class KVStore:
         return {"store": store, "dram": self.pool.stats(), "adaptive": adaptive, **tiers}
 
     def _check_chunk(self, tensor: torch.Tensor, what: str) -> None:
+        """A TypeError or ValueError naming ``what`` unless ``tensor`` is a chunk: this layout's shape and dtype."""
+        check_tensor(tensor, what)
         if tensor.device.type == "meta":  # shapes only, no memory: nothing could be copied in or out
             raise ValueError(f"{what} is on the 'meta' device (no storage); pass a CPU or GPU tensor")
         if tuple(tensor.shape) != self.layout.chunk_shape or tensor.dtype != self.layout.dtype:

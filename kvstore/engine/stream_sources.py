@@ -123,7 +123,7 @@ class StreamChunks:
     async def open(self) -> None:
         """Per chunk: a DRAM slot (referenced), else the fastest tier's reader (each tier opens its batch at once)."""
         sources = self.sources
-        self.slots = [sources.pool.acquire(key) for key in self.keys]
+        self.slots = sources.pool.acquire_many(self.keys)  # hits told to the eviction policy tail first
         sources.opened(self.keys, self.slots)
         self.readers = [None] * len(self.keys)
         missing = [index for index, slot in enumerate(self.slots) if slot is None]

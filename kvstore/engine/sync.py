@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvstore.config import StoreConfig
+from kvstore.engine.arguments import check_tensor, check_tensors
 from kvstore.engine.planner import LoadPlan
 from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.store import KVStore
@@ -72,15 +73,23 @@ class SyncKVStore:
     def chunk_keys(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[ChunkKey]:
         return self.store.chunk_keys(token_ids, extra)
 
-    def put(self, key: ChunkKey, kv: torch.Tensor) -> bool:
+    def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None) -> bool:
         """``KVStore.put``; a device ``kv`` is copied once the work queued on this thread's current stream is done."""
-        return self._call(self.store.put(key, kv, ready=ready_on_current_stream(kv.device)))
+        check_tensor(kv, "put: kv")  # before its device is read here
+        return self._call(self.store.put(key, kv, parent=parent, ready=ready_on_current_stream(kv.device)))
 
-    def put_many(self, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> list[bool]:
+    def put_many(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        *,
+        parents: Sequence[ChunkKey | None] | None = None,
+    ) -> list[bool]:
         """``KVStore.put_many`` (one hop to the loop for all of them); device tensors as in :meth:`put`."""
+        check_tensors(kvs, "put_many: kvs")  # before their devices are read here
         device = next((kv.device for kv in kvs if kv.device.type == "cuda"), None)
         ready = ready_on_current_stream(device) if device is not None else None
-        return self._call(self.store.put_many(keys, kvs, ready=ready))
+        return self._call(self.store.put_many(keys, kvs, parents=parents, ready=ready))
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         return self._call(self.store.lookup(keys))
@@ -130,6 +139,8 @@ class SyncKVStore:
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
     ) -> SyncLayerStream:
         """The layer stream for engine threads: ``stream.wait_layer(i)`` blocks until layer i is in."""
+        if outs is not None:  # before their device is read here
+            check_tensors(outs, "prefetch: outs")
         ready = ready_on_current_stream(outs[0].device) if outs else None  # this thread's stream, not the loop's
         stream = self._call(_on_loop(lambda: self.store.prefetch(keys, depth=depth, outs=outs, ready=ready)))
         return SyncLayerStream(self, stream)

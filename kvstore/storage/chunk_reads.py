@@ -37,6 +37,8 @@ from kvstore.storage.container import (
     verify_segments,
 )
 from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.links import PrefixLinks
+from kvstore.util.buffers import Buffer
 from kvstore.util.threads import WriteFence, in_thread
 
 INLINE_CHECK_BYTES = 8 << 20  # remote chunks up to this size are checksummed on the event loop
@@ -80,6 +82,13 @@ class ChunkReads:
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
         self._batch_layers = min(layout.num_layers, max(1, CHECK_HOT_BYTES // layout.layer_nbytes))
+        self.links = PrefixLinks()  # told each chunk's parent as its header records it (the tier's: share_links)
+
+    def _parsed(self, head: Buffer, key: ChunkKey) -> ChunkHeader:
+        """``head`` checked as ``key``'s header; the parent it records is noted (a promotion writes it on)."""
+        header = parse_header(head, self.layout, key, self.cipher)
+        self.links.note(key, header.parent)
+        return header
 
     # -- from a file: read and verify in one thread call, layer batch by layer batch ---------------
 
@@ -112,7 +121,7 @@ class ChunkReads:
         if needed > len(head):
             head = memoryview(bytearray(needed))
             file.readinto([head], 0)
-        header = parse_header(head[:needed], self.layout, key, self.cipher)
+        header = self._parsed(head[:needed], key)
         if file.size != header.total_len:
             raise ChunkFormatError(f"file is {file.size} bytes, header says {header.total_len}")
         return header, needed == len(head) == self._header_guess and len(first_batch) > 0
@@ -162,6 +171,7 @@ class ChunkReads:
         if data is None:
             return None
         header = await in_thread(self.executor, decode_chunk, data, self.layout, key, out, self.cipher, self.executor)
+        self.links.note(key, header.parent)
         return _read_size(header, len(data))
 
     async def _load_remote_plain(self, key: ChunkKey, out: memoryview) -> int | LossyRead | None:
@@ -187,7 +197,7 @@ class ChunkReads:
 
     def _check_plain(self, key: ChunkKey, head: memoryview, out: memoryview) -> bool:
         """Verify a payload received in place; False when the header says it is not plain after all."""
-        header = parse_header(head, self.layout, key, self.cipher)
+        header = self._parsed(head, key)
         if not header.plain or header.payload_len != len(out):
             return False
         self._require_layer_sized(header)
@@ -213,7 +223,7 @@ class ChunkReads:
             head = await self.backend.get(key, (0, needed))
             if head is None:
                 return None
-        header = parse_header(memoryview(head)[:needed], self.layout, key, self.cipher)
+        header = self._parsed(memoryview(head)[:needed], key)
         if not await self._check_length(key, header, size):
             return None
         first = header.segments[0]

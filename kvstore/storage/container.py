@@ -18,13 +18,18 @@ checksum covers the stored bytes, so corruption is caught before a decoder sees 
 encryption (:mod:`kvstore.storage.crypto`) each stored segment is an AES-GCM box of the encoded layer.
 Stored objects are data, never code: nothing here unpickles.
 
-**The engine's name.** Where KV events are on and the engine named the chunk (its block hash,
-:mod:`kvstore.events`), the padding starts with ``"KVNM"``, a kind u8 (1: bytes, 2: an unsigned
-64-bit int), a length u8 and 32 bytes: so ``kvstore gc`` and ``verify`` can name in their events
-the chunks they remove as the engine did. It is written only where the padding has its 38 bytes
-(it lacks them for a few layer counts, e.g. 125 layers under the identity codec: those chunks are
-named by their keys), so the header's length is what every kvstore version expects: readers that
-do not know the record skip it, as they skip the padding.
+**Records in the padding.** The padding may start with up to two records, in this order, each
+written only where the padding has room for it (it lacks 38 bytes for a few layer counts, e.g. 125
+layers under the identity codec), so the header's length is what every kvstore version expects:
+readers that do not know a record skip it, as they skip the padding.
+
+- *The engine's name.* Where KV events are on and the engine named the chunk (its block hash,
+  :mod:`kvstore.events`): ``"KVNM"``, a kind u8 (1: bytes, 2: an unsigned 64-bit int), a length u8
+  and 32 bytes, so ``kvstore gc`` and ``verify`` can name in their events the chunks they remove as
+  the engine did (else they name them by their keys).
+- *The chunk's parent.* Where the writer knew it (``put(..., parent=)``): ``"KVPA"`` and the 32
+  bytes of the key of the chunk before this one in its prefix. ``kvstore gc`` reads it to remove a
+  prefix tail first (:mod:`kvstore.storage.links`): a chunk whose parent is gone is never reached.
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ _FIXED = struct.Struct("<8sHHI16s32sIIH")
 _SEGMENT = struct.Struct("<QQQQ")
 _CHECKSUM = struct.Struct("<Q")
 _NAME = struct.Struct("<4sBB32s")  # in the padding: "KVNM", kind, length, value
+_PARENT = struct.Struct("<4s32s")  # in the padding, after the name if there is one: "KVPA", the parent's key
 NAME_MAGIC = b"KVNM"
+PARENT_MAGIC = b"KVPA"
 NAME_BYTES, NAME_INT = 1, 2
 MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
@@ -89,6 +96,7 @@ class ChunkHeader:
     payload_len: int  # the segments' stored bytes, summed once at parse time
     cipher: ChunkCipher | None = None  # set when the segments are sealed
     key_bytes: bytes = b""  # the chunk's key, part of each sealed segment's associated data
+    parent: ChunkKey | None = None  # the key of the chunk before it in its prefix, where the writer knew it
 
     @property
     def plain(self) -> bool:
@@ -107,8 +115,10 @@ def encode_header(
     segments: list[Segment],
     key_id: bytes | None = None,
     name: bytes | int | None = None,
+    parent: ChunkKey | None = None,
 ) -> bytes:
-    """The header; ``name``: the engine's name for the chunk, kept in the padding where it fits (see above)."""
+    """The header; ``name`` (the engine's name for the chunk) and ``parent`` (the previous chunk's key) are
+    kept in the padding where they fit (see above)."""
     codec_bytes = codec_id.encode("ascii")
     size = header_size(len(segments), codec_id, key_id is not None)
     parts = [
@@ -128,9 +138,9 @@ def encode_header(
     ]
     parts.extend(_SEGMENT.pack(s.offset, s.stored_len, s.raw_len, s.checksum) for s in segments)
     body = b"".join(parts)
-    record = _name_record(name)
-    if record and len(body) + len(record) <= size - _CHECKSUM.size:
-        body += record
+    for record in (_name_record(name), b"" if parent is None else _PARENT.pack(PARENT_MAGIC, key_to_bytes(parent))):
+        if record and len(body) + len(record) <= size - _CHECKSUM.size:
+            body += record
     body += bytes(size - len(body) - _CHECKSUM.size)  # zero padding
     return body + _CHECKSUM.pack(checksum(body))
 
@@ -143,36 +153,65 @@ def _name_record(name: bytes | int | None) -> bytes:
     return b""  # no name, or one no engine gives (then events name the chunk by its key)
 
 
-def header_name(head: Buffer) -> bytes | int | None:
-    """The engine's name a chunk's header keeps (None if none), from the object's first bytes (at
-    least the whole header: :func:`header_length` says how many), the header's checksum checked.
+class PaddingRecords(NamedTuple):
+    """What a header's padding keeps (see the module docstring): the engine's name and the parent's key."""
 
-    For ``kvstore gc`` and ``verify``, which publish their removals. Raises ChunkFormatError.
+    name: bytes | int | None
+    parent: ChunkKey | None
+
+
+def header_records(head: Buffer) -> PaddingRecords:
+    """The records a chunk's header keeps, from the object's first bytes (at least the whole header:
+    :func:`header_length` says how many), the header's checksum checked.
+
+    For ``kvstore gc`` and ``verify`` (removals named as the engine named them; prefixes removed tail
+    first). Raises ChunkFormatError.
     """
     view = as_bytes_view(head)
-    fields = _checked_fields(view)
+    return _padding_records(view, _checked_fields(view))
+
+
+def header_name(head: Buffer) -> bytes | int | None:
+    """The engine's name a chunk's header keeps (None if none): :func:`header_records`' ``name``."""
+    return header_records(head).name
+
+
+def _padding_records(view: memoryview, fields: _Fields) -> PaddingRecords:
     start = (
         _FIXED.size + fields.codec_len + (KEY_ID_BYTES if fields.encrypted else 0) + _SEGMENT.size * fields.num_layers
     )
-    if start + _NAME.size > fields.header_len - _CHECKSUM.size:
-        return None
-    magic, kind, length, value = _NAME.unpack_from(view, start)
-    if magic != NAME_MAGIC or not 0 < length <= 32:
-        return None
-    if kind == NAME_BYTES:
-        return value[:length]
-    return int.from_bytes(value[:8], "big") if kind == NAME_INT else None
+    end = fields.header_len - _CHECKSUM.size
+    name: bytes | int | None = None
+    if start + _NAME.size <= end:
+        magic, kind, length, value = _NAME.unpack_from(view, start)
+        if magic == NAME_MAGIC:
+            start += _NAME.size
+            if 0 < length <= 32 and kind == NAME_BYTES:
+                name = value[:length]
+            elif 0 < length <= 32 and kind == NAME_INT:
+                name = int.from_bytes(value[:8], "big")
+    parent: ChunkKey | None = None
+    if start + _PARENT.size <= end:
+        magic, parent_key = _PARENT.unpack_from(view, start)
+        if magic == PARENT_MAGIC:
+            parent = parent_key.hex()
+    return PaddingRecords(name, parent)
 
 
 def name_in_head(head: Buffer | None) -> bytes | int | None:
     """The engine's name ``head`` (an object's first bytes) keeps, or None: none read, no name, or no
     sound header (then a chunk is named by its key)."""
+    return records_in_head(head).name
+
+
+def records_in_head(head: Buffer | None) -> PaddingRecords:
+    """The records ``head`` (an object's first bytes) keeps; none where none was read or the header is not sound."""
     if head is None:
-        return None
+        return PaddingRecords(None, None)
     try:
-        return header_name(head)
+        return header_records(head)
     except ChunkFormatError:
-        return None
+        return PaddingRecords(None, None)
 
 
 def encode_layers(
@@ -225,15 +264,17 @@ def encode_chunk(
     cipher: ChunkCipher | None = None,
     executor: Executor | None = None,
     name: bytes | int | None = None,
+    parent: ChunkKey | None = None,
 ) -> list[Buffer]:
     """The whole container as a list of buffers (header first), for a gather write or upload (blocking).
 
     ``executor``: the pool this runs in, whose idle workers may encode some of the layers.
-    ``name``: the engine's name for the chunk (see the module docstring), or None.
+    ``name``: the engine's name for the chunk, ``parent``: the previous chunk's key (see the module
+    docstring), or None.
     """
     encoded = encode_layers(layout, chunk, codec, cipher, key, executor)
     key_id = None if cipher is None else cipher.key_id
-    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id, name)
+    header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id, name, parent)
     return [header, *(stored for stored, _ in encoded)]
 
 
@@ -371,7 +412,8 @@ def parse_header(data: Buffer, layout: KVLayout, key: ChunkKey, cipher: ChunkCip
         raise ForeignChunkError("chunk was encrypted under another key")
     segments = _segment_table(view, fields, layout.layer_nbytes)
     payload_len = segments[-1].offset + segments[-1].stored_len
-    return ChunkHeader(fields.header_len, codec, fields.token_count, segments, payload_len, cipher, fields.key)
+    parent = _padding_records(view, fields).parent
+    return ChunkHeader(fields.header_len, codec, fields.token_count, segments, payload_len, cipher, fields.key, parent)
 
 
 def verify_segments(segments: Sequence[Segment], payload: Buffer, layers: Iterable[int]) -> None:

@@ -37,6 +37,7 @@ from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
 from kvstore.storage.chunk_reads import NO_FENCE, ChunkReads, Guard, LossyRead, ReadOutcome
 from kvstore.storage.container import encode_chunk, name_in_head
+from kvstore.storage.links import PrefixLinks
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.health import UNGUARDED, Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
@@ -80,6 +81,7 @@ class ChunkTier:
         self._reads = ChunkReads(backend, layout, codec, cipher, executor)  # each object's bytes read and checked
         self.medium = Medium.of_tier(self.name, backend.is_local)  # what KV events call this tier
         self.events: TierEvents = NO_EVENTS
+        self.links = PrefixLinks()  # each chunk's parent, written into its header (the store shares its own)
         self._writes = 0  # write batches in flight
         self._evicted_while_writing: set[ChunkKey] = set()  # their chunks are not told stored after the fact
         backend.on_evicted = self._evicted
@@ -88,6 +90,10 @@ class ChunkTier:
         """Tell ``events`` of every chunk written here (stored) and evicted or removed as corrupt (removed)."""
         self.events = events
         self.backend.evicted_heads = not isinstance(events, NoEvents)  # the evicted chunks' names
+
+    def share_links(self, links: PrefixLinks) -> None:
+        """Write each chunk's parent as ``links`` knows it, and note there the parents of the chunks read here."""
+        self.links = self._reads.links = links
 
     def _evicted(self, keys: Sequence[ChunkKey], heads: Sequence[bytes | None]) -> None:
         """The backend evicted ``keys`` (from any thread): removed, named by their headers where read."""
@@ -263,6 +269,7 @@ class ChunkTier:
         in parallel never take the tier past its capacity.
         """
         chosen = codecs if codecs is not None else [None] * len(items)
+        parents = [self.links.parent_of(key) for key, _ in items]
         writes = [
             ObjectWrite(
                 key,
@@ -275,9 +282,11 @@ class ChunkTier:
                     self.cipher,
                     self.executor,
                     self.events.name_of(key),
+                    parent,
                 ),
+                parent,
             )
-            for (key, chunk), codec in zip(items, chosen, strict=True)
+            for (key, chunk), codec, parent in zip(items, chosen, parents, strict=True)
         ]
         self._writes += 1
         try:
@@ -351,6 +360,7 @@ class ChunkTier:
             *(self.backend.read_many(part, self.executor) for part in _split(reads, self.parallel_reads))
         )
         outcomes = [outcome for part in slices for outcome in part]
+        self.backend.used_in_order([key for key, outcome in zip(keys, outcomes, strict=True) if _found(outcome)])
         if lossy is not None:
             for i, outcome in enumerate(outcomes):
                 if isinstance(outcome, LossyRead):
@@ -417,6 +427,7 @@ class ChunkTier:
         opens = self._reads
         reads = [ObjectRead(key, partial(opens.open_file, key), partial(opens.open_remote, key)) for key in keys]
         outcomes = await self.backend.open_many(reads, self.executor)
+        self.backend.used_in_order([key for key, outcome in zip(keys, outcomes, strict=True) if _found(outcome)])
         readers: list[LayerReader | None] = [
             None if isinstance(outcome, BaseException) or outcome is None else LayerReader(self, key, *outcome)
             for key, outcome in zip(keys, outcomes, strict=True)
@@ -463,6 +474,11 @@ class ChunkTier:
             "lossless": self.codec.lossless,
             "breaker": self.breaker.stats(),
         }
+
+
+def _found(outcome: object) -> bool:
+    """Whether a batch read's outcome is an object that was there (read, or opened), however it checks out."""
+    return outcome is not None and not isinstance(outcome, BaseException)
 
 
 def _split(items: list[T], groups: int) -> list[list[T]]:

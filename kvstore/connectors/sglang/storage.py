@@ -66,7 +66,7 @@ from kvstore.connectors.sglang.host_pages import HostPages
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import ChunkEvents, ChunkIdentity
-from kvstore.keys import ChunkKey, namespace_seed
+from kvstore.keys import ChunkKey, chain_parents, namespace_seed
 from kvstore.layout import dtype_name
 
 log = logging.getLogger("kvstore.connectors.sglang")
@@ -237,7 +237,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         taken: list[bool] | None = []
         if held < len(keys):
             self._name_pages(store, keys, chunk_keys, held)
-            taken = self._bounded(store, store.store.put_many(chunk_keys[held:], views[held:]), "put")
+            prefix = extra_info.prefix_keys if extra_info is not None else None  # the pages before keys[0]
+            before = chunk_keys[held - 1] if held else (self.chunk_key(prefix[-1]) if prefix else None)
+            parents = chain_parents(chunk_keys[held:], before)
+            taken = self._bounded(store, store.store.put_many(chunk_keys[held:], views[held:], parents=parents), "put")
         stored = [True] * held + (taken if taken is not None else [False] * (len(keys) - held))
         self._record(self._metrics.backup_pgs, self._metrics.backup_bandwidth, sum(stored) - held, start)
         return stored

@@ -36,10 +36,15 @@ SPARE_CHUNKS = 8  # staging buffers kept between steps (a long prefill step may 
 
 
 async def _put_all(
-    store: KVStore, chunks: list[tuple[ChunkKey, torch.Tensor]], ready: Completion | None = None
+    store: KVStore,
+    chunks: list[tuple[ChunkKey, torch.Tensor]],
+    parents: dict[ChunkKey, ChunkKey | None],
+    ready: Completion | None = None,
 ) -> list[bool]:
-    """One ``put_many``: chunks on a GPU cross the bus as one batch, after ``ready`` (the engine's stream)."""
-    return await store.put_many([key for key, _ in chunks], [chunk for _, chunk in chunks], ready=ready)
+    """One ``put_many``: chunks on a GPU cross the bus as one batch, after ``ready`` (the engine's stream);
+    each with its parent (``parents``), so that retention removes a prompt's chunks tail first."""
+    keys = [key for key, _ in chunks]
+    return await store.put_many(keys, [chunk for _, chunk in chunks], parents=[parents[key] for key in keys], ready=ready)
 
 
 class ChunkSaves:
@@ -107,7 +112,8 @@ class ChunkSaves:
             try:  # one hop to kvstore's loop for all of them; each put copies into its DRAM tier
                 assert self.store is not None  # chunks to put are on the reading rank only
                 ready = ready_on_current_stream(chunks[0][1].device)  # the gathers queued on this thread's stream
-                saved = self.store.submit(_put_all(self.store.store, chunks, ready)).result()
+                parents = {spec.key: spec.parent for spec in saves}
+                saved = self.store.submit(_put_all(self.store.store, chunks, parents, ready)).result()
             except Exception as exc:  # a save is best effort: a missed one is a future cache miss
                 log.warning("kvstore: saving %d chunks failed: %r", len(chunks), exc)
                 saved = [False] * len(chunks)

@@ -259,7 +259,7 @@ class ConnectorScheduler:
                 if runs is None:
                     self.counters["unsaveable_chunks"] += 1
                     continue
-                meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs))
+                meta.saves.append(SaveSpec(req_id, state.keys[chunk], runs, state.keys[chunk - 1] if chunk else None))
                 self._name_chunks(meta.chunk_identities, state, range(chunk, chunk + 1))
                 self._saved[state.keys[chunk]] = None
                 self._saved.move_to_end(state.keys[chunk])

@@ -52,6 +52,7 @@ class SaveSpec:
     req_id: str
     key: ChunkKey
     runs: list[BlockRun]
+    parent: ChunkKey | None = None  # the key of the chunk before it in the request's prompt (None: the first)
 
 
 @dataclass
