@@ -89,9 +89,9 @@ async def test_a_cancelled_close_leaves_nothing_writing_into_the_callers_buffers
             late = [i for i, out in enumerate(outs) if not bool((out == REUSED).all())]
             assert not late, f"trial {trial}: the stream wrote into buffers {late} after close() raised"
             assert all(arrived.is_set() for arrived in stream.arrived), f"trial {trial}: a layer never ended"
-            assert all(
-                isinstance(outcome, torch.Tensor | PrefetchError) for outcome in stream.outcomes
-            ), f"trial {trial}: a layer ended neither arrived nor failed"
+            assert all(isinstance(outcome, torch.Tensor | PrefetchError) for outcome in stream.outcomes), (
+                f"trial {trial}: a layer ended neither arrived nor failed"
+            )
             assert isinstance(stream.outcomes[-1], PrefetchError), f"trial {trial}: the last layer came"
         await store.flush()
         assert store.pool.stats()["referenced"] == 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstore.backends import Backend, Progress, RemoveReport, StoredObject, make_backend
+from kvstore.backends import Backend, RemoveReport, StoredObject, make_backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.files import unlink_quietly, walk_files
 from kvstore.backends.registry import (
@@ -32,7 +32,7 @@ from kvstore.backends.registry import (
 )
 from kvstore.backends.temporaries import temporary_state
 from kvstore.cli.console import TierUnreachable
-from kvstore.cli.removal_events import HEAD_BYTES, RemovalEvents, chunk_name
+from kvstore.cli.removal_events import RemovalEvents, chunk_name
 from kvstore.cli.removal_events import removal_events as removal_events  # for admin, loaded lazily
 from kvstore.config import StoreConfig
 from kvstore.errors import BucketMissing, ChunkFormatError, ConfigError
@@ -239,8 +239,9 @@ async def read_codecs(
     concurrency: int = 16,
     on_read: Callable[[int], None] | None = None,
 ) -> list[str | None]:
-    """The codec pipeline each object is stored with, from its header (None: gone since listed; :data:`NOT_A_CHUNK`:
-    its header does not check out, ``verify`` says why), ``concurrency`` reads in flight, in the order of ``objects``."""
+    """The codec pipeline each object is stored with, from its header, in the order of ``objects``, ``concurrency``
+    reads in flight. None: gone since listed; :data:`NOT_A_CHUNK`: its header does not check out (``verify`` says
+    why)."""
     return await read_header_fields(backend, objects, header_codec, NOT_A_CHUNK, concurrency, on_read)
 
 

@@ -148,8 +148,9 @@ async def run_gc(
 ) -> dict[str, RemoveReport]:
     """Remove each plan's victims that are still as listed; per tier, what happened.
 
-    Victims are handed to each backend in the plan's order (a prefix tail first). ``events``: publish each tier's removals, each chunk named from
-    its header (read just before its deletion: one small read per deleted object, only then).
+    Victims are handed to each backend in the plan's order (a prefix tail first). ``events``: publish each
+    tier's removals, each chunk named from its header (read just before its deletion: one small read per
+    deleted object, only then).
     """
     reports = {}
     for plan in plans:

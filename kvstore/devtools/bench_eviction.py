@@ -24,8 +24,8 @@ import asyncio
 import json
 import platform
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -171,9 +171,7 @@ async def replay_store(chains: Sequence[np.ndarray], policy: str, capacity: int)
             usable += leading_run(found)
             parents = chain_parents(keys)
             missed = [i for i, hit in enumerate(found) if not hit]
-            await store.put_many(
-                [keys[i] for i in missed], [chunk] * len(missed), parents=[parents[i] for i in missed]
-            )
+            await store.put_many([keys[i] for i in missed], [chunk] * len(missed), parents=[parents[i] for i in missed])
     return Replay(hits, usable)
 
 

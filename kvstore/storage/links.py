@@ -58,9 +58,7 @@ class PrefixLinks:
         return len(self._parents)
 
 
-def tail_first(
-    nodes: Iterable[N], parent_of: dict[N, N], recency: dict[N, float]
-) -> tuple[list[N], dict[N, float]]:
+def tail_first(nodes: Iterable[N], parent_of: dict[N, N], recency: dict[N, float]) -> tuple[list[N], dict[N, float]]:
     """``nodes`` in the order a prefix cache should let them go, and each one's effective recency.
 
     A chunk is needed as long as any chunk after it is (a lookup that reaches a later chunk passes

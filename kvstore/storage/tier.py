@@ -37,10 +37,10 @@ from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
 from kvstore.storage.chunk_reads import NO_FENCE, ChunkReads, Guard, LossyRead, ReadOutcome
 from kvstore.storage.container import encode_chunk, name_in_head
-from kvstore.storage.links import PrefixLinks
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.health import UNGUARDED, Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
+from kvstore.storage.links import PrefixLinks
 from kvstore.storage.stats import TierLatency, TierStats
 from kvstore.util.threads import FenceClosed, WriteFence
 from kvstore.util.units import human_bytes

@@ -44,7 +44,9 @@ async def _put_all(
     """One ``put_many``: chunks on a GPU cross the bus as one batch, after ``ready`` (the engine's stream);
     each with its parent (``parents``), so that retention removes a prompt's chunks tail first."""
     keys = [key for key, _ in chunks]
-    return await store.put_many(keys, [chunk for _, chunk in chunks], parents=[parents[key] for key in keys], ready=ready)
+    return await store.put_many(
+        keys, [chunk for _, chunk in chunks], parents=[parents[key] for key in keys], ready=ready
+    )
 
 
 class ChunkSaves:
