@@ -27,7 +27,7 @@ from support import TEST_BUCKET, raw_s3_client
 from typer.testing import CliRunner
 
 from kvstore import KVLayout, KVStore, StoreConfig
-from kvstore.backends import make_backend
+from kvstore.backends import RemoveReport, make_backend
 from kvstore.backends.disk import DiskBackend, temporary_name
 from kvstore.cli import app
 from kvstore.cli.admin import EXIT_DAMAGED, EXIT_DECLINED, EXIT_OK, EXIT_USAGE
@@ -476,6 +476,27 @@ def test_a_byte_budget_removes_a_prefix_tail_first(setup: Setup, tier: str) -> N
     assert stored_keys(setup, tier, "prefix") == {("prefix", keys[0])}, "a chunk kept whose parent gc removed"
     code, out = setup.invoke("gc", "--tier", tier, "--max-bytes", "0", "--yes")  # and then the head alone
     assert code == EXIT_OK and stored_keys(setup, tier, "prefix") == set(), out
+    if tier == "redis":  # the links kept beside the chunks went with them
+        with redis.Redis.from_url(setup.redis_url) as raw:
+            assert list(raw.scan_iter(match=f"{setup.redis_prefix}:prefix:*")) == []
+
+
+def test_a_victim_used_after_the_listing_keeps_the_chunks_before_it(setup: Setup) -> None:
+    """gc planned to remove chunks 2 then 1; chunk 2 is read after the listing (kept, as changed): chunk 1, its
+    parent, must stay too, or chunk 2 would be kept where no lookup can reach it."""
+    keys = store_prefix(setup, "disk", 3)
+    budget = max(item.size for item in listed(setup, "disk")) * 3 // 2
+
+    async def scenario() -> RemoveReport:
+        async with tool_backends(setup.config, ["disk"]) as backends:
+            plans = await plan_gc(backends, None, Retention(max_bytes=budget))
+            assert [item.key for item in plans[0].victims] == [keys[2], keys[1]]
+            age_disk_file(setup, "prefix", keys[2], 0.0, time.time())  # an engine read it: its mtime moves on
+            return (await run_gc(backends, plans))["disk"]
+
+    report = asyncio.run(scenario())
+    assert (report.removed, report.changed) == (0, 2)
+    assert stored_keys(setup, "disk", "prefix") == {("prefix", key) for key in keys}
 
 
 def test_an_old_chunk_with_a_young_descendant_outlives_a_max_age(setup: Setup) -> None:

@@ -211,7 +211,7 @@ class Backend(Maintenance, ABC):
     def used_in_order(self, keys: Sequence[str]) -> None:
         """The hits of a batch read through :meth:`read_many` or :meth:`open_many` (its slices done), a prefix's
         chunks in order: a backend that evicts by a policy (the disk budget) tells it of them tail first, so a
-        prefix's tail leaves before its head. Non-blocking, no I/O. Default: nothing."""
+        prefix's tail leaves before its head. Called on the event loop: never blocks, no I/O. Default: nothing."""
 
     async def read_many(self, reads: Sequence[ObjectRead[T]], executor: Executor | None) -> Outcomes[T]:
         """Do each read's work on its object; per read, the work's result, None if absent, or the exception.

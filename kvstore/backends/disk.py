@@ -27,6 +27,8 @@ namespace and removing what is unchanged (:mod:`kvstore.backends.disk_maintenanc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -456,8 +458,15 @@ class DiskBackend(DiskMaintenance, Backend):
             pass
 
     def used_in_order(self, keys: Sequence[str]) -> None:
-        """A batch read's hits, a prefix's chunks in order: the budget's policy hears of them tail first."""
-        self._budget.mark_used_in_order([self._relative(key) for key in keys])
+        """A batch read's hits, a prefix's chunks in order: the budget's policy hears of them tail first.
+
+        At once if the budget's lock is free, else in an I/O thread (a writer holds it across an eviction's
+        unlink): the caller, on the event loop, never waits for it.
+        """
+        relatives = [self._relative(key) for key in keys]
+        if relatives and not self._budget.mark_used_in_order(relatives, blocking=False):
+            with contextlib.suppress(RuntimeError):  # the executor is shutting down: the order is best effort
+                asyncio.get_running_loop().run_in_executor(self._executor, self._budget.mark_used_in_order, relatives)
 
     def stats(self) -> dict[str, int | float | str]:
         return self._budget.stats()

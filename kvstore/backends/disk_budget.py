@@ -82,13 +82,22 @@ class FileBudget:
             self.used += size
             return True
 
-    def mark_used_in_order(self, relatives: Sequence[str]) -> None:
+    def mark_used_in_order(self, relatives: Sequence[str], blocking: bool = True) -> bool:
         """Hits on a batch of files, a prefix's chunks in order: told to the policy last to first, so of them
-        the head is the most recent and the tail goes first (a chunk is loaded only after the ones before it)."""
-        with self.lock:
+        the head is the most recent and the tail goes first (a chunk is loaded only after the ones before it).
+
+        ``blocking=False``: only if the lock is free now (a writer may hold it across an eviction's unlink);
+        False if it was not, and nothing was done.
+        """
+        if not self.lock.acquire(blocking=blocking):
+            return False
+        try:
             for relative in reversed(relatives):
                 if relative in self._index:
                     self._policy.touch(relative)
+        finally:
+            self.lock.release()
+        return True
 
     # -- writes ----------------------------------------------------------------------------------
 

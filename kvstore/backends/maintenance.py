@@ -110,6 +110,11 @@ class Maintenance:
         default): this backend keeps none apart, and the tools read parents from the chunks' headers."""
         return None
 
+    async def prune_links(self, namespaces: Callable[[str], bool] | None = None) -> int:
+        """Remove the parent links kept apart (:meth:`read_parents`) whose chunk is gone, in the namespaces
+        ``namespaces`` accepts (default all); how many went. Default: none kept apart, nothing to do."""
+        return 0
+
     def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
         """``item`` as :meth:`read_object` found it, for a removal that must spare a rewritten object.
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.backends.base import Backend, ByteRange, Scatter
+from kvstore.backends.redis_connection import CALL_ERRORS
 from kvstore.backends.redis_maintenance import RedisMaintenance
 from kvstore.backends.redis_set_parts import set_parts
 from kvstore.util.buffers import Buffer, as_bytes_view
@@ -172,18 +173,28 @@ class RedisBackend(RedisMaintenance, Backend):
         return bytearray(size + size // 8)  # headroom: compressed sizes vary from chunk to chunk
 
     async def set_link(self, key: str, parent: str) -> None:
-        """The parent's key in a small value beside the chunk, with the chunk's TTL: ``kvstore gc`` reads it
-        there, since reading the chunk's header would restart its idle time (the age gc judges it by)."""
-        name, ttl = self._link_name(key), self._ttl_ms
-        await self._call("SET", lambda c: c.set(name, parent, px=ttl))
+        """The parent's key in a small value beside the chunk: ``kvstore gc`` reads it there, since reading the
+        chunk's header would restart its idle time (the age gc judges it by).
+
+        Without a TTL: a chunk read often outlives its own first TTL, and its link must live as long (gc
+        removes the links whose chunk is gone: :meth:`prune_links`). Best effort: a link that cannot be
+        written leaves the chunk stored (gc then counts it as the first of its prefix).
+        """
+        name = self._link_name(key)
+        try:
+            await self._call("SET", lambda c: c.set(name, parent))
+        except CALL_ERRORS:
+            pass  # counted and, for an unreachable server, logged by _call
 
     async def exists(self, key: str) -> bool:
         name = self._name(key)
         return bool(await self._call("EXISTS", lambda c: c.exists(name)))
 
     async def delete(self, key: str) -> None:
-        name = self._name(key)
+        """The chunk, then its parent link (:meth:`set_link`)."""
+        name, link = self._name(key), self._link_name(key)
         await self._call("DEL", lambda c: c.delete(name))
+        await self._call("DEL", lambda c: c.delete(link))
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Every value in one pipeline of GETs (GETEX, refreshing the TTL, when one is set): one round trip."""

@@ -25,7 +25,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from kvstore.backends.maintenance import LIST_PAGE, Maintenance, RemoveReport, StoredObject, pages
-from kvstore.backends.redis_connection import CALL_ERRORS, RedisConnection
+from kvstore.backends.redis_connection import CALL_ERRORS, LINK_SUFFIX, RedisConnection
 from kvstore.keys import is_namespace_dir
 
 _GLOB_SPECIALS = str.maketrans({c: "\\" + c for c in "*?[]\\"})
@@ -117,6 +117,32 @@ class RedisMaintenance(RedisConnection, Maintenance):
                 parents.append(text if text is not None and _CHUNK_KEY.fullmatch(text) else None)
         return parents
 
+    async def prune_links(self, namespaces: Callable[[str], bool] | None = None) -> int:
+        """Remove the parent links whose chunk is gone (expired, evicted, deleted elsewhere); how many went.
+
+        One SCAN of the links (never KEYS), then per page one pipeline of EXISTS of their chunks and one of
+        UNLINK of the links whose chunk is absent. A link is written after its chunk, so one whose chunk is
+        absent at the check is stale (a chunk written again later writes its link again).
+        """
+        removed = 0
+        page: list[str] = []
+        async for name in self._scan_names(f"{self.prefix.translate(_GLOB_SPECIALS)}:*{LINK_SUFFIX}"):
+            namespace = name[len(self.prefix) + 1 :].partition(":")[0]
+            if namespaces is None or namespaces(namespace):
+                page.append(name)
+            if len(page) == LIST_PAGE:
+                removed += await self._unlink_stale(page)
+                page = []
+        return removed + (await self._unlink_stale(page) if page else 0)
+
+    async def _unlink_stale(self, links: list[str]) -> int:
+        chunks = [link.removesuffix(LINK_SUFFIX) for link in links]
+        present = await self._pipe("EXISTS", lambda pipe: [pipe.exists(chunk) for chunk in chunks])
+        stale = [link for link, there in zip(links, present, strict=True) if not there]
+        if stale:
+            await self._pipe("UNLINK", lambda pipe: [pipe.unlink(link) for link in stale])
+        return len(stale)
+
     def read_version(self, item: StoredObject, data: bytes) -> StoredObject:
         """Reading restarted the key's idle time, so the removal checks the bytes read instead."""
         return dataclasses.replace(item, version=("sha1", hashlib.sha1(data, usedforsecurity=False).hexdigest()))
@@ -157,19 +183,7 @@ class RedisMaintenance(RedisConnection, Maintenance):
                     report.changed += 1
                 else:
                     report.gone += 1
-            await self._unlink_links([removed.item for removed in report.deleted])
             yield report
-
-    async def _unlink_links(self, items: Sequence[StoredObject]) -> None:
-        """The parent links of removed chunks go too (best effort: one left behind expires with its TTL, or
-        is evicted; it is never listed as a chunk)."""
-        if not items:
-            return
-        names = [self._link_name(item.key, item.namespace) for item in items]
-        try:
-            await self._pipe("UNLINK", lambda pipe: [pipe.unlink(name) for name in names])
-        except CALL_ERRORS:
-            pass
 
 
 # KEYS[1]: the chunk. ARGV: "idle" and the least idle seconds it must show, or "sha1" and its bytes' SHA-1;

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.backends import Backend, Progress, RemoveReport, StoredObject
 from kvstore.cli.inventory import list_objects, read_header_fields
@@ -44,32 +44,35 @@ class Retention:
             raise ValueError("the maximum age and the byte budget cannot be negative")
 
 
+def node_of(item: StoredObject) -> Node:
+    return (item.namespace, item.key)
+
+
+def prefix_links(objects: Sequence[StoredObject], parents: Sequence[ChunkKey | None]) -> dict[Node, Node]:
+    """Each object's parent as a node of the same tier and namespace (``parents[i]``: ``objects[i]``'s, or None)."""
+    return {
+        node_of(item): (item.namespace, parent)
+        for item, parent in zip(objects, parents, strict=True)
+        if parent is not None
+    }
+
+
 def choose_victims(
     objects: Sequence[StoredObject],
     retention: Retention,
     now: float,
-    parents: Sequence[ChunkKey | None] | None = None,
+    links: dict[Node, Node] | None = None,
 ) -> list[StoredObject]:
     """Everything older than the maximum age, then the oldest of the rest until the budget holds: a prefix
     tail first.
 
-    ``parents``: each object's parent key (None where unknown), or None for none known. A chunk's age
-    is that of its most recent descendant among ``objects`` (a lookup reaching it passes through this
-    one), so an old chunk with a young descendant is kept, and of a prefix its tail goes before its
-    head; ties go deepest first, then by key, so the same listing always gives the same choice.
+    ``links``: each object's parent (:func:`prefix_links`), where known. A chunk's age is that of its
+    most recent descendant among ``objects`` (a lookup reaching it passes through this one), so an old
+    chunk with a young descendant is kept, and of a prefix its tail goes before its head; ties go
+    deepest first, then by key, so the same listing always gives the same choice.
     """
-    ordered = sorted(objects, key=lambda item: (item.namespace, item.key))
-    if parents is None:
-        links: dict[Node, Node] = {}
-    else:
-        by_item = dict(zip(((item.namespace, item.key) for item in objects), parents, strict=True))
-        links = {
-            (item.namespace, item.key): (item.namespace, parent)
-            for item in ordered
-            if (parent := by_item[(item.namespace, item.key)]) is not None
-        }
-    items = {(item.namespace, item.key): item for item in ordered}
-    order, recency = tail_first(items, links, {node: item.when for node, item in items.items()})
+    items = {node_of(item): item for item in sorted(objects, key=node_of)}
+    order, recency = tail_first(items, links or {}, {node: item.when for node, item in items.items()})
     victims: list[StoredObject] = []
     kept: list[StoredObject] = []
     for node in order:
@@ -83,6 +86,25 @@ def choose_victims(
             victims.append(item)
             remaining -= item.size
     return victims
+
+
+def removal_rounds(victims: Sequence[StoredObject], links: dict[Node, Node]) -> list[list[StoredObject]]:
+    """``victims`` in rounds: first those with no victim after them in their prefix, then their parents, ...
+
+    A round is removed once the ones before it are (see :func:`run_gc`). Without links: one round.
+    """
+    members = {node_of(item) for item in victims}
+    height: dict[Node, int] = {}
+    for item in victims:  # in the plan's order: every victim comes after its descendants
+        node = node_of(item)
+        height.setdefault(node, 0)
+        parent = links.get(node)
+        if parent in members:
+            height[parent] = max(height.get(parent, 0), height[node] + 1)
+    rounds: list[list[StoredObject]] = [[] for _ in range(max(height.values(), default=-1) + 1)]
+    for item in victims:
+        rounds[height[node_of(item)]].append(item)
+    return rounds
 
 
 def _removes_something(objects: Sequence[StoredObject], retention: Retention, now: float) -> bool:
@@ -109,6 +131,8 @@ class TierPlan:
     age_basis: str
     listed: list[StoredObject]
     victims: list[StoredObject]
+    namespaces: Callable[[str], bool] | None = None  # the namespace directories listed (None: all)
+    links: dict[Node, Node] = field(default_factory=dict)  # each chunk's parent, where read (see prefix_links)
 
     @property
     def listed_bytes(self) -> int:
@@ -135,8 +159,11 @@ async def plan_gc(
     for name, backend in backends.items():
         objects = await list_objects(backend, accept, None if on_page is None else lambda n, t=name: on_page(t, n))
         moment = time.time() if now is None else now
-        parents = await read_parents(backend, objects) if _removes_something(objects, retention, moment) else None
-        plans.append(TierPlan(name, backend.age_basis, objects, choose_victims(objects, retention, moment, parents)))
+        links = {}
+        if _removes_something(objects, retention, moment):
+            links = prefix_links(objects, await read_parents(backend, objects))
+        victims = choose_victims(objects, retention, moment, links)
+        plans.append(TierPlan(name, backend.age_basis, objects, victims, accept, links))
     return plans
 
 
@@ -148,16 +175,32 @@ async def run_gc(
 ) -> dict[str, RemoveReport]:
     """Remove each plan's victims that are still as listed; per tier, what happened.
 
-    Victims are handed to each backend in the plan's order (a prefix tail first). ``events``: publish each
-    tier's removals, each chunk named from its header (read just before its deletion: one small read per
-    deleted object, only then).
+    A prefix's victims go in rounds, its tail first (:func:`removal_rounds`): a victim whose descendant
+    was kept (used or rewritten since the listing, or not removed for an error) is kept too, counted as
+    changed, so gc never leaves a chunk whose parent it removed. ``events``: publish each tier's removals,
+    each chunk named from its header (read just before its deletion: one small read per deleted object,
+    only then).
     """
     reports = {}
     for plan in plans:
+        backend = backends[plan.tier]
         step: Progress | None = None if progress is None else (lambda report, t=plan.tier: progress(t, report))
         head_bytes = HEAD_BYTES if events is not None else 0
-        report = await backends[plan.tier].remove_unchanged(plan.victims, step, head_bytes=head_bytes)
+        report, spared = RemoveReport(), set[Node]()
+        for round_ in removal_rounds(plan.victims, plan.links):
+            batch = [item for item in round_ if node_of(item) not in spared]
+            kept = RemoveReport(changed=len(round_) - len(batch))
+            if kept.changed and step is not None:
+                step(kept)
+            done = await backend.remove_unchanged(batch, step, head_bytes=head_bytes) if batch else RemoveReport()
+            report.add(kept)
+            report.add(done)
+            removed = {node_of(removal.item) for removal in done.deleted}
+            for item in round_:  # a victim kept keeps its parent, which keeps its own, ... (later rounds)
+                if node_of(item) not in removed and (parent := plan.links.get(node_of(item))) is not None:
+                    spared.add(parent)
+        await backend.prune_links(plan.namespaces)  # links of chunks gone (Redis keeps them apart)
         reports[plan.tier] = report
         if events is not None:
-            events.report(plan.tier, backends[plan.tier], report)
+            events.report(plan.tier, backend, report)
     return reports

@@ -21,20 +21,6 @@ from pydantic import (
 from kvstore.config.base import Capacity, Duration, Section, Size
 from kvstore.errors import ConfigError
 from kvstore.eviction import EvictionName
-from kvstore.util import memory
-from kvstore.util.units import human_bytes
-
-
-def within_machine_memory(size: int | None, key: str) -> None:
-    """Refuse a DRAM size this machine could never hold (physical memory, or the cgroup's limit where lower).
-
-    A ValueError naming ``key``, the size and the memory there is; nothing is checked where that is unknown.
-    """
-    total = memory.machine_memory()
-    if size is not None and total is not None and size > total:
-        raise ValueError(
-            f"{key} of {human_bytes(size)} is more memory than this machine has ({human_bytes(total)}); lower {key}"
-        )
 
 
 class DramConfig(Section):
@@ -47,12 +33,6 @@ class DramConfig(Section):
         description="which chunk a full pool drops: 'lru' (least recently used), or the scan-resistant "
         "'s3fifo' or 'arc' (see the eviction page)",
     )
-
-    @field_validator("capacity")
-    @classmethod
-    def _fits_the_machine(cls, value: ByteSize) -> ByteSize:
-        within_machine_memory(int(value), "dram.capacity")
-        return value
 
 
 def parse_key(text: str) -> bytes:
@@ -261,13 +241,6 @@ class AdaptiveConfig(Section):
     min_references: int = Field(20_000, ge=1, description="chunk lookups between auto mode's decisions, at least")
     knee: float = Field(0.95, gt=0, le=1, description="smallest DRAM size with this share of the largest one's gain")
     trace: Path | None = Field(None, description="append every chunk lookup to this trace file (for kvstore advise)")
-
-    @field_validator("dram_max")
-    @classmethod
-    def _fits_the_machine(cls, value: ByteSize | None) -> ByteSize | None:
-        """The pool sets up (and auto mode may allocate) this much: more than the machine is refused at once."""
-        within_machine_memory(None if value is None else int(value), "adaptive.dram_max")
-        return value
 
 
 class PlannerConfig(Section):

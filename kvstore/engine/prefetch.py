@@ -196,7 +196,11 @@ class LayerStream:
             await self.close()
 
     async def close(self) -> None:
-        """Stop fetching and release what the stream holds (idempotent); waits at most ``timeouts.close``.
+        """Stop fetching and release what the stream holds (idempotent).
+
+        Waits at most ``timeouts.close`` for the producer to stop, then for the writes into ``outs`` still
+        in progress: pieces of bounded size (a copy, one run of layers read from a file, about 8 MiB), so
+        only a stalled disk makes it wait longer.
 
         Once it returns or raises, cancelled or not, nothing of the stream writes into the caller's
         ``outs`` again: the writes in progress then (a copy, a file read of a run of layers, the copies
@@ -216,7 +220,8 @@ class LayerStream:
             except asyncio.CancelledError:
                 cancelled = True
             else:
-                if not done:  # (the producer raises nothing but its cancellation: nothing to retrieve)
+                if not done:  # its outcome is retrieved when it ends (_retrieve)
+                    self._task.add_done_callback(_retrieve)
                     log.warning(
                         "a layer stream did not stop within %.1fs; leaving it to end", self._sources.close_timeout
                     )
@@ -224,8 +229,10 @@ class LayerStream:
                 await self._fence.close()  # no write into outs is in progress, and none will start
             except asyncio.CancelledError:  # (raised once the writes in progress have ended)
                 cancelled = True
-            if await wait_through_cancel(self._sources.transfers.completed(self._last_upload)):
+            copies = self._sources.transfers.completed(self._last_upload)  # the copies to a device already queued
+            if await wait_through_cancel(copies):
                 cancelled = True
+            _retrieve(copies)  # a device error was logged where it happened
         finally:
             self._fail_pending()
         if cancelled:
@@ -478,3 +485,9 @@ class LayerStream:
             )
         with self._fence:
             copy_between(target, contiguous)
+
+
+def _retrieve(future: asyncio.Future[object]) -> None:
+    """A finished future's outcome, retrieved: a failure nobody awaits is not an "unhandled" error."""
+    if future.done() and not future.cancelled():
+        future.exception()

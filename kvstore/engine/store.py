@@ -214,7 +214,11 @@ class KVStore:
         await self.close()
 
     async def close(self) -> None:
-        """Finish pending writes within ``timeouts.close`` seconds, then abandon the rest. Never hangs."""
+        """Finish pending writes within ``timeouts.close`` seconds, then abandon the rest.
+
+        Bounded: the layer streams still open are closed first, each within ``timeouts.close`` plus the
+        writes into its outputs in progress then (see :meth:`LayerStream.close`: only a stalled disk holds one).
+        """
         if self._state in ("closing", "closed"):
             return
         was_open = self._state == "open"

@@ -387,7 +387,9 @@ class SyncLayerStream:
     def close(self) -> None:
         """Stop the stream and release what it holds; bounded by ``timeouts.close`` (plus a margin).
 
-        A no-op once the store is closed (closing the store closed its streams).
+        Once it returns, nothing of the stream writes into its ``outs`` again (see ``LayerStream.close``),
+        unless it logged that the stream did not close in time: a read into them stalled (a hung disk), and
+        they may still be written. A no-op once the store is closed (closing the store closed its streams).
         """
         try:
             limit = self._owner.store.config.timeouts.close + 5  # the stream bounds itself; the margin is the hop's
@@ -395,7 +397,9 @@ class SyncLayerStream:
         except StoreClosedError:
             return
         except TimeoutError:
-            log.warning("a layer stream did not close within %.1fs; leaving it to end", limit)
+            log.warning(
+                "a layer stream did not close within %.1fs (a stalled read?); its buffers may still be written", limit
+            )
 
     def __enter__(self) -> SyncLayerStream:
         return self

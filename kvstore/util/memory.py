@@ -26,44 +26,60 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _cgroup_dirs() -> list[tuple[Path, str, str]]:
+def _cgroup_dirs() -> list[tuple[Path, str, str, str]]:
     """This process's cgroup directories holding a memory controller, from its own up to the root, each with
-    the names of its limit and usage files (cgroup v2: ``memory.max``; v1: ``memory.limit_in_bytes``)."""
+    the names of its limit and usage files (cgroup v2: ``memory.max``; v1: ``memory.limit_in_bytes``) and of
+    the ``memory.stat`` line of the page cache the kernel reclaims first (``inactive_file``)."""
     try:
         lines = PROC_CGROUP.read_text().splitlines()
     except OSError:
         return []
-    found: list[tuple[Path, str, str]] = []
+    found: list[tuple[Path, str, str, str]] = []
     for line in lines:  # "hierarchy-id:controllers:path"
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
         if controllers == "":  # v2: one unified hierarchy
-            base, limit, usage = CGROUP_ROOT, "memory.max", "memory.current"
+            base, limit, usage, cache = CGROUP_ROOT, "memory.max", "memory.current", "inactive_file"
         elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
             base, limit, usage = CGROUP_ROOT / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+            cache = "total_inactive_file"
         else:
             continue
         directory = base / path.lstrip("/")
-        found += [(level, limit, usage) for level in (directory, *directory.parents) if level.is_relative_to(base)]
+        levels = (level for level in (directory, *directory.parents) if level.is_relative_to(base))
+        found += [(level, limit, usage, cache) for level in levels]
     return found
 
 
 def _cgroup_room() -> tuple[int | None, int | None]:
-    """The tightest cgroup memory limit over this process, and the least any limited level leaves unused now
-    (its limit less its usage), in bytes; None for either where no level sets a limit (or it cannot be read)."""
+    """The tightest cgroup memory limit over this process, and the least any limited level leaves now (its limit
+    less its usage, the usage without the inactive page cache the kernel reclaims first: a model's weights read
+    through the page cache are not memory taken), in bytes; None for either where no level sets a limit."""
     limits: list[int] = []
     rooms: list[int] = []
-    for directory, limit_name, usage_name in _cgroup_dirs():
+    for directory, limit_name, usage_name, cache_name in _cgroup_dirs():
         limit = _read_int(directory / limit_name)
         if limit is None or limit >= NO_LIMIT:
             continue
         limits.append(limit)
         usage = _read_int(directory / usage_name)
         if usage is not None:
-            rooms.append(max(0, limit - usage))
+            rooms.append(max(0, limit - max(0, usage - _stat(directory / "memory.stat", cache_name))))
     return (min(limits) if limits else None), (min(rooms) if rooms else None)
+
+
+def _stat(path: Path, name: str) -> int:
+    """The value of line ``name`` of a ``memory.stat`` file; 0 where it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
 
 
 def physical_memory() -> int | None:
