@@ -176,7 +176,9 @@ def test_connector_chunks_hold_the_same_kv_as_transformers_computes(tiny_llama, 
 
     A chunk vLLM saved is read back with kvstore alone and compared with the KV transformers
     computes for the same 256 tokens of the same model (float32 both; the engines' kernels
-    differ, hence a tolerance).
+    differ, hence a tolerance). The tolerance is what kvstore answers for, the layout: a K read as V,
+    or tokens out of order, differ by O(1); the kernels vLLM picks per step's batch shape differed from
+    transformers' by up to 6e-4 in one run (a loaded 2-core machine), so 1e-4 failed on the engine, not on kvstore.
     """
     from transformers import AutoModelForCausalLM
 
@@ -197,7 +199,7 @@ def test_connector_chunks_hold_the_same_kv_as_transformers_computes(tiny_llama, 
         for plane, hf in enumerate((cache.layers[layer].keys, cache.layers[layer].values)):
             want = hf[0].transpose(0, 1)  # [heads, tokens, dim] -> [tokens, heads, dim]
             got = torch.cat([chunks[0][layer, plane], chunks[1][layer, plane]])
-            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (layer, plane, (got - want).abs().max())
+            assert torch.allclose(got, want, atol=3e-3, rtol=3e-3), (layer, plane, (got - want).abs().max())
 
 
 def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(

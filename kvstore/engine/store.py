@@ -290,7 +290,7 @@ class KVStore:
         so that retention removes a prefix tail first (:mod:`kvstore.storage.links`); without it a
         chunk counts as the first of its own prefix there.
         """
-        check_tensor(kv, "put: kv")
+        self._check_chunk(kv, "put: kv")
         return (await self.put_many([key], [kv], parents=[parent], ready=ready))[0]
 
     async def put_many(
