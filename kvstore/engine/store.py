@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -290,8 +290,9 @@ class KVStore:
         so that retention removes a prefix tail first (:mod:`kvstore.storage.links`); without it a
         chunk counts as the first of its own prefix there.
         """
-        self._check_chunk(kv, "put: kv")
-        return (await self.put_many([key], [kv], parents=[parent], ready=ready))[0]
+        self._check_open()
+        self._check_puts([key], [kv], [parent], lambda _: "put: kv")
+        return (await self._put_checked([key], [kv], [parent], ready))[0]
 
     async def put_many(
         self,
@@ -314,13 +315,33 @@ class KVStore:
             raise ValueError(f"put_many: {len(keys)} keys but {len(kvs)} chunks")
         if parents is not None and len(parents) != len(keys):
             raise ValueError(f"put_many: {len(keys)} keys but {len(parents)} parents")
+        self._check_puts(keys, kvs, parents, lambda i: f"put_many: kvs[{i}]")
+        return await self._put_checked(keys, kvs, parents, ready)
+
+    def _check_puts(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        parents: Sequence[ChunkKey | None] | None,
+        name: Callable[[int], str],
+    ) -> None:
+        """Each key, chunk (``name(i)`` in its error) and parent as ``put`` takes it; raises before any copy."""
         for i, (key, kv) in enumerate(zip(keys, kvs, strict=True)):
             key_to_bytes(key)
-            self._check_chunk(kv, f"put_many: kvs[{i}]")
+            self._check_chunk(kv, name(i))
+        for parent in parents or ():
+            if parent is not None:
+                key_to_bytes(parent)
+
+    async def _put_checked(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        parents: Sequence[ChunkKey | None] | None,
+        ready: Completion | None,
+    ) -> list[bool]:
+        """``put_many`` once its arguments are checked."""
         if parents is not None:
-            for parent in parents:
-                if parent is not None:
-                    key_to_bytes(parent)
             self.links.note_chain(keys, parents)
         devices = {kv.device for kv in kvs if self.transfers.crosses_bus(kv)}
         if len(devices) > 1:

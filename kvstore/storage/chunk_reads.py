@@ -82,7 +82,7 @@ class ChunkReads:
         # exact unless the codec changed
         self._header_guess = header_size(layout.num_layers, codec.id, encrypted=cipher is not None)
         self._batch_layers = min(layout.num_layers, max(1, CHECK_HOT_BYTES // layout.layer_nbytes))
-        self.links = PrefixLinks()  # told each chunk's parent as its header records it (the tier's: share_links)
+        self.links = PrefixLinks()  # told each chunk's parent as its header records it (ChunkTier.links)
 
     def _parsed(self, head: Buffer, key: ChunkKey) -> ChunkHeader:
         """``head`` checked as ``key``'s header; the parent it records is noted (a promotion writes it on)."""

@@ -138,7 +138,7 @@ def encode_header(
     ]
     parts.extend(_SEGMENT.pack(s.offset, s.stored_len, s.raw_len, s.checksum) for s in segments)
     body = b"".join(parts)
-    for record in (_name_record(name), b"" if parent is None else _PARENT.pack(PARENT_MAGIC, key_to_bytes(parent))):
+    for record in (_name_record(name), _parent_record(parent)):
         if record and len(body) + len(record) <= size - _CHECKSUM.size:
             body += record
     body += bytes(size - len(body) - _CHECKSUM.size)  # zero padding
@@ -151,6 +151,10 @@ def _name_record(name: bytes | int | None) -> bytes:
     if isinstance(name, int) and not isinstance(name, bool) and 0 <= name < 1 << 64:
         return _NAME.pack(NAME_MAGIC, NAME_INT, 8, name.to_bytes(8, "big"))
     return b""  # no name, or one no engine gives (then events name the chunk by its key)
+
+
+def _parent_record(parent: ChunkKey | None) -> bytes:
+    return b"" if parent is None else _PARENT.pack(PARENT_MAGIC, key_to_bytes(parent))
 
 
 class PaddingRecords(NamedTuple):
@@ -201,17 +205,12 @@ def _padding_records(view: memoryview, fields: _Fields) -> PaddingRecords:
 def name_in_head(head: Buffer | None) -> bytes | int | None:
     """The engine's name ``head`` (an object's first bytes) keeps, or None: none read, no name, or no
     sound header (then a chunk is named by its key)."""
-    return records_in_head(head).name
-
-
-def records_in_head(head: Buffer | None) -> PaddingRecords:
-    """The records ``head`` (an object's first bytes) keeps; none where none was read or the header is not sound."""
     if head is None:
-        return PaddingRecords(None, None)
+        return None
     try:
-        return header_records(head)
+        return header_name(head)
     except ChunkFormatError:
-        return PaddingRecords(None, None)
+        return None
 
 
 def encode_layers(

@@ -81,7 +81,6 @@ class ChunkTier:
         self._reads = ChunkReads(backend, layout, codec, cipher, executor)  # each object's bytes read and checked
         self.medium = Medium.of_tier(self.name, backend.is_local)  # what KV events call this tier
         self.events: TierEvents = NO_EVENTS
-        self.links = PrefixLinks()  # each chunk's parent, written into its header (the store shares its own)
         self._writes = 0  # write batches in flight
         self._evicted_while_writing: set[ChunkKey] = set()  # their chunks are not told stored after the fact
         backend.on_evicted = self._evicted
@@ -91,9 +90,15 @@ class ChunkTier:
         self.events = events
         self.backend.evicted_heads = not isinstance(events, NoEvents)  # the evicted chunks' names
 
+    @property
+    def links(self) -> PrefixLinks:
+        """Each chunk's parent: noted from the headers read here, written into the headers written here."""
+        return self._reads.links
+
     def share_links(self, links: PrefixLinks) -> None:
-        """Write each chunk's parent as ``links`` knows it, and note there the parents of the chunks read here."""
-        self.links = self._reads.links = links
+        """Write each chunk's parent as ``links`` knows it, and note there the parents of the chunks read here
+        (the store's map, shared by its tiers: a chunk read from one is written to another with its parent)."""
+        self._reads.links = links
 
     def _evicted(self, keys: Sequence[ChunkKey], heads: Sequence[bytes | None]) -> None:
         """The backend evicted ``keys`` (from any thread): removed, named by their headers where read."""
