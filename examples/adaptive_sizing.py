@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig
-from kvstore.devtools.progress import track
 from kvstore.sizing.traces import trace_key
 from kvstore.sizing.workloads import multi_turn
+from kvstore.util.progress import track
 
 # 256-token chunks as an engine's, of 1 KiB (4 bytes a token) so the replay is quick: the trace records
 # 256 tokens a chunk, and `kvstore advise --chunk-bytes 32MiB` then reads it as Llama-3-8B's chunks.

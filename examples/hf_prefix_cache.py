@@ -40,9 +40,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvstore import StoreConfig, SyncKVStore
 from kvstore.connectors.hf import HFConnector, layout_for_model
-from kvstore.devtools.progress import Progress
-from kvstore.devtools.servers import MotoServer, RedisServer, environment
 from kvstore.errors import ServerError
+from kvstore.testing.servers import MotoServer, RedisServer, environment
+from kvstore.util.progress import Progress
 
 TIERS = ("dram", "disk", "disk-cold", "redis", "s3")
 BUCKET = "kvstore-hf-example"
@@ -182,8 +182,8 @@ def load_time(connector: HFConnector, prompt: torch.Tensor) -> float:
     keys = store.chunk_keys(prompt[0].tolist())
     chunks = store.lookup(keys)
     started = time.perf_counter()
-    with store.prefetch(keys[:chunks], depth=store.store.layout.num_layers) as stream:
-        for layer in range(store.store.layout.num_layers):
+    with store.prefetch(keys[:chunks], depth=store.layout.num_layers) as stream:
+        for layer in range(store.layout.num_layers):
             stream.wait_layer(layer)
     return time.perf_counter() - started
 

@@ -19,7 +19,7 @@ import uuid
 import torch
 
 from kvstore import KVLayout, StoreConfig, SyncKVStore, chunk_keys
-from kvstore.devtools.servers import RedisServer
+from kvstore.testing.servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # SmolLM2-135M
 NAMESPACE = "smollm2-135m"

@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig, chunk_keys
-from kvstore.devtools.servers import MotoServer, environment
+from kvstore.testing.servers import MotoServer, environment
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)  # SmolLM2-135M
 NAMESPACE = "smollm2-135m"

@@ -1,17 +1,25 @@
 """kvstore: a tiered KV-cache store for LLM inference engines.
 
-from kvstore import KVStore, StoreConfig, KVLayout, chunk_keys
+from kvstore import KVStore, SyncKVStore, StoreConfig, KVLayout, chunk_keys
 
 The package, from the bottom up (each layer imports only the ones below it):
 
 - ``errors``, ``layout``, ``keys``, ``config`` and ``util/``: what every layer shares;
-- ``codecs/``: per-layer compression stages and the pipelines made of them;
-- ``backends/``: where stored objects live (disk, Redis, S3), behind one small async interface;
-- ``storage/``: the chunk container, encryption, and the tier that checks every byte it reads;
+- ``eviction/``: which chunk leaves DRAM or the disk (lru, s3fifo, arc); ``admission/``: which
+  tier below DRAM a put reaches, and when (write-through, second-sighting); ``codecs/``: per-layer
+  compression stages and the pipelines made of them;
+- ``backends/``: where stored objects live (disk, Redis, S3, plugins), behind one small async
+  interface; ``events/``: KV events for routers, in vLLM's wire format;
+- ``storage/``: the chunk container, encryption, the tier that checks every byte it reads, and
+  ``build_tiers`` (the tiers a config enables: the engine is given them);
 - ``sizing/``: miss-ratio curves, the cost model, advice and auto mode;
-- ``engine/``: the store itself (DRAM pool, cascade, layer streams, sync facade, metrics);
-- ``connectors/``: vLLM and transformers; ``cli/``: the ``kvstore`` command;
-  ``devtools/``: benchmarks, demo, dev servers; ``testing/``: the backend conformance suite.
+- ``engine/``: the store itself (KVStore: DRAM pool, cascade, layer streams, load planner, metrics)
+  and :class:`SyncKVStore`, the whole contract an engine integration uses;
+- ``connectors/``: vLLM, SGLang (HiCache) and transformers, over ``SyncKVStore`` only;
+  ``testing/``: the backend conformance suite and dev servers;
+- ``bench/``: what ``kvstore bench`` measures; ``cli/``: the ``kvstore`` command.
+
+The research benchmarks are not part of the package: ``benchmarks/`` in a clone.
 """
 
 from __future__ import annotations

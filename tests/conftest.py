@@ -23,7 +23,7 @@ from vllm_engines import (  # noqa: E402, F401 (fixtures)
     vllm_python,
 )
 
-from kvstore.devtools.servers import (  # noqa: E402 (after the rewrite hook)
+from kvstore.testing.servers import (  # noqa: E402 (after the rewrite hook)
     DevServer,
     MotoServer,
     RedisClusterServer,
@@ -112,13 +112,13 @@ def real_kv() -> torch.Tensor:
 def smollm2() -> tuple[object, object]:
     """(tokenizer, model): SmolLM2-135M-Instruct in float32, loaded once per session (~25 s) for every
     test that runs the real model (test_connector_hf.py, test_codec_accuracy.py). Tests only read it."""
-    from kvstore.devtools.models import load_smollm2  # transformers: imported only where a test needs the model
+    from kvstore.bench.models import load_smollm2  # transformers: imported only where a test needs the model
 
     return load_smollm2(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
-# Real servers (kvstore.devtools.servers), one of each per test session. A server that cannot start
+# Real servers (kvstore.testing.servers), one of each per test session. A server that cannot start
 # fails the tests that need it: remote-tier tests never skip.
 # ---------------------------------------------------------------------------------------------
 

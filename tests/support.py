@@ -14,8 +14,8 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from kvstore.devtools.servers import DevServer, S3Server
 from kvstore.errors import ServerError
+from kvstore.testing.servers import DevServer, S3Server
 
 TEST_BUCKET = "kvstore-test"  # made on every session S3 server (conftest.py)
 

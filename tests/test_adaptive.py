@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.adaptive import LAYOUT, ReplayResult, compare_one, lookup_overhead, replay, store_config
 from kvstore.config import StoreConfig
-from kvstore.devtools.bench_adaptive import LAYOUT, ReplayResult, compare_one, lookup_overhead, replay, store_config
 from kvstore.engine import costs
 from kvstore.engine.store import KVStore
 from kvstore.engine.sync import SyncKVStore

@@ -22,9 +22,9 @@ import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig, chunk_keys
 from kvstore.backends.registry import lookup_backend, rescan_backends, unreachable_error_names
-from kvstore.devtools.servers import RedisServer
 from kvstore.errors import ConfigError
 from kvstore.keys import namespace_dir
+from kvstore.testing.servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, chunk_tokens=16)
 NAMESPACE = "plugin-test"

@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvstore.bench import accuracy as a
+from kvstore.bench.stdlib_prompts import PROMPT_MODULES, module_documentation, prompt_length
 from kvstore.cli import app
 from kvstore.codecs import CodecPipeline, IdentityCodec, SegmentSpec, make_codec
-from kvstore.devtools import bench_accuracy as a
-from kvstore.devtools.stdlib_prompts import PROMPT_MODULES, module_documentation, prompt_length
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import Buffer
 

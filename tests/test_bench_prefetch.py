@@ -7,8 +7,8 @@ import math
 import pytest
 from typer.testing import CliRunner
 
+from kvstore.bench.prefetch import parse_tiers, run_overlap
 from kvstore.cli import app
-from kvstore.devtools.bench_prefetch import parse_tiers, run_overlap
 
 
 def test_overlap_rows_for_local_tiers():

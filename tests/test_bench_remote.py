@@ -15,9 +15,9 @@ import re
 import torch
 from typer.testing import CliRunner
 
+from kvstore.bench.remote import REMOTE_CODECS, run_remote
+from kvstore.bench.remote_servers import parse_remotes, serve
 from kvstore.cli import app
-from kvstore.devtools.bench_remote import REMOTE_CODECS, run_remote
-from kvstore.devtools.bench_remote_servers import parse_remotes, serve
 
 runner = CliRunner()
 

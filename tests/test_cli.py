@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from kvstore.cli import app
 from kvstore.cli.console import EXIT_UNREACHABLE
-from kvstore.devtools.servers import RedisServer, free_port
+from kvstore.testing.servers import RedisServer, free_port
 
 runner = CliRunner()
 

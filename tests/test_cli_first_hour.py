@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 import kvstore
 from kvstore.cli import app
-from kvstore.devtools.servers import MotoServer
+from kvstore.testing.servers import MotoServer
 
 runner = CliRunner()
 KVSTORE = [str(Path(sys.executable).parent / "kvstore")]  # the console script, as a user runs it

@@ -1,6 +1,6 @@
 """Codecs on a real model's answers: SmolLM2-135M, prompts of standard-library documentation, KV through each codec.
 
-A fast cut of ``kvstore bench --accuracy smollm2`` (kvstore.devtools.bench_accuracy, where the full
+A fast cut of ``kvstore bench --accuracy smollm2`` (kvstore.bench.accuracy, where the full
 table comes from): 2 prompts of 512..768 tokens, 32 greedy tokens each (the bench: 64). Deterministic inputs (a
 fixed list of modules, lengths drawn from their names), no timing asserted. A lossless codec must
 give exactly what the bf16 identity round trip gives (the same decoded bits, so the same logits);
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.devtools import bench_accuracy as a
-from kvstore.devtools.stdlib_prompts import prompt_length, stdlib_prompts
+from kvstore.bench import accuracy as a
+from kvstore.bench.stdlib_prompts import prompt_length, stdlib_prompts
 
 CODECS = ["identity", "byteplanes", "fp8", "int8+zstd", "int4+zstd", "nope+zstd"]
 # Measured on this machine (2 prompts): see the assertions; the bars sit well below.

@@ -22,9 +22,9 @@ from kvstore.backends.base import Backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.redis import RedisBackend
 from kvstore.backends.s3 import S3Backend
-from kvstore.devtools.servers import S3Server
 from kvstore.testing import MemoryBackend
 from kvstore.testing.conformance import BackendCase, BackendTests, keys_for
+from kvstore.testing.servers import S3Server
 
 
 def unique_prefix() -> str:

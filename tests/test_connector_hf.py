@@ -204,7 +204,7 @@ def test_a_corrupt_chunk_is_recomputed_and_counted(scenario, tmp_path, request, 
     layout = layout_for_model(scenario.model)
     with SyncKVStore(config, layout, namespace=NAMESPACE) as store:
         key = store.chunk_keys(scenario.first[0].tolist())[5]
-        path = store.store.tiers[0].backend.path_for(key)
+        path = store._store.tiers[0].backend.path_for(key)
     data = bytearray(path.read_bytes())
     header = parse_header(data, layout, key)
     data[header.header_len + header.segments[17].offset + 100] ^= 0x01  # one bit of layer 17 of chunk 5
@@ -269,7 +269,7 @@ def test_a_batch_is_refused(scenario, tmp_path):
 def test_a_server_that_freezes_mid_request_costs_its_timeout_not_a_hang(scenario, tmp_path):
     """Redis stops answering after the lookup (the plan) found the prefix: the load times out, the request is
     recomputed, and the reply is still exact."""
-    from kvstore.devtools.servers import RedisServer
+    from kvstore.testing.servers import RedisServer
 
     with RedisServer() as server:
         redis = {"enabled": True, "url": server.url, "codec": "identity"}

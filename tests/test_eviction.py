@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import eviction as bench_eviction
 from kvstore.backends.disk import DiskBackend
 from kvstore.config import StoreConfig
-from kvstore.devtools import bench_eviction
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.store import KVStore
 from kvstore.errors import ConfigError

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from support import TEST_BUCKET
 
-from kvstore.devtools.servers import RedisServer, SeaweedFSServer
 from kvstore.sizing.traces import read_trace
+from kvstore.testing.servers import RedisServer, SeaweedFSServer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"

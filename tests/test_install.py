@@ -187,3 +187,6 @@ def test_wheel_contents(installed: Installed):
     assert license_text == (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert not any(name.startswith(("tests/", "examples/", "scripts/")) for name in names)
+    # the research benchmarks run from a clone; the wheel keeps what `kvstore bench` runs
+    assert not any(name.startswith(("benchmarks/", "kvstore/devtools/")) for name in names)
+    assert {"kvstore/bench/local.py", "kvstore/testing/servers.py", "kvstore/cli/demo.py"} <= names

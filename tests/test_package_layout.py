@@ -9,25 +9,29 @@ a cycle). An import of a name from a package counts as an import of that package
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import setuptools
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvstore"
 # Lowest first: a unit may import units to its left, never one to its right.
 LAYERS = [
     ["kvstore.util", "kvstore.errors", "kvstore.eviction"],
     ["kvstore.layout"],
-    ["kvstore.keys", "kvstore.codecs"],
+    ["kvstore.keys", "kvstore.codecs", "kvstore.admission"],
     ["kvstore.config"],
     ["kvstore.backends", "kvstore.events"],
     ["kvstore.storage"],
     ["kvstore.sizing"],
     ["kvstore.engine"],
     ["kvstore"],  # the public API (__init__)
-    ["kvstore.connectors", "kvstore.devtools", "kvstore.testing"],
+    ["kvstore.connectors", "kvstore.testing"],
+    ["kvstore.bench"],  # what `kvstore bench` measures: it runs the connectors and starts the dev servers
     ["kvstore.cli"],
 ]
 
@@ -135,6 +139,47 @@ def test_subpackages_import_downward_only() -> None:
     }
     # Units side by side in one layer may not lean on each other both ways.
     assert not {(a, b) for a, b in same_layer if (b, a) in same_layer}
+
+
+def test_the_engine_imports_no_backend() -> None:
+    """The engine is given its tiers (kvstore.storage.build_tiers makes them from a config): no module of
+    kvstore.engine imports kvstore.backends, not even under TYPE_CHECKING or inside a function."""
+    engine = [module for module in MODULES if unit_of(module) == "kvstore.engine"]
+    assert "kvstore.engine.store" in engine and len(engine) > 5
+    assert "kvstore.backends" in GRAPH["kvstore.storage.build"], "the walk must see the builder's backend import"
+    reaching = sorted(
+        f"{module} -> {target}"
+        for module in engine
+        for target in GRAPH[module]
+        if unit_of(target) == "kvstore.backends"
+    )
+    assert reaching == []
+
+
+def test_the_wheel_holds_no_research_benchmarks() -> None:
+    """The package keeps what an operator runs; the benchmarks with entry points of their own live in benchmarks/.
+
+    What setuptools packs (the pyproject's ``packages.find``) is kvstore alone; kvstore.bench holds
+    only what a ``kvstore bench`` option runs (every module of it reached from kvstore.cli.bench);
+    no module of the package is a command of its own (no ``__main__`` block, no argparse).
+    """
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packed = setuptools.find_packages(str(PACKAGE.parent), **config["packages"]["find"])
+    assert "kvstore.bench" in packed and (PACKAGE.parent / "benchmarks" / "eviction.py").is_file()
+    assert [name for name in packed if name.split(".")[0] != "kvstore" or name == "kvstore.devtools"] == []
+    reached, todo = set(), ["kvstore.cli.bench"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += GRAPH[module]
+    probe = {module for module in MODULES if unit_of(module) == "kvstore.bench" and module != "kvstore.bench"}
+    assert {"kvstore.bench.local", "kvstore.bench.accuracy"} <= probe
+    assert sorted(probe - reached) == [], "modules of kvstore.bench that no kvstore bench option runs"
+    commands = [
+        name for name, path in MODULES.items() if re.search(r"__main__|^import argparse", path.read_text(), re.M)
+    ]
+    assert commands == []
 
 
 def test_top_level_holds_few_plain_modules() -> None:

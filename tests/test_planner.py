@@ -16,9 +16,9 @@ import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.config import PlannerConfig
-from kvstore.devtools.servers import RedisServer
 from kvstore.engine.planner import DRAM, LoadPlanner, PrefillClock
 from kvstore.errors import ConfigError
+from kvstore.testing.servers import RedisServer
 from kvstore.testing.slow_proxy import SlowProxy
 
 MB = 1_000_000

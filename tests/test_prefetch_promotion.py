@@ -135,7 +135,7 @@ async def test_streams_over_as_many_chunks_as_slots_leave_half_the_pool_to_puts(
         stats = store.stats()["store"]
         assert stats["stream_promoted"] == 2 and stats["stream_promotions_dropped"] == 2
         assert all(store.pool.contains(key) for key in hot) and sum(store.pool.contains(key) for key in keys) == 2
-        assert store.pool.stats()["referenced"] == 0 and store._stream_sources.staging.held == 0
+        assert store.pool.stats()["referenced"] == 0 and store._stream_resources.staging.held == 0
 
 
 async def test_a_full_pool_still_promotes_evicting_within_half_of_it(tmp_path):

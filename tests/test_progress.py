@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from kvstore.devtools.progress import Progress, track
+from kvstore.util.progress import Progress, track
 
 
 def test_off_a_terminal_each_step_is_one_plain_line() -> None:

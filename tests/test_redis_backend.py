@@ -3,7 +3,7 @@
 The put/get/exists/delete/list conformance suite shared by every backend lives elsewhere; here:
 TTLs, byte ranges, pipelines spread over cluster nodes, password masking, reconnects, bounded
 timeouts on a frozen server, and a cluster losing and regaining a node. Servers come from
-kvstore.devtools.servers; a server that cannot start fails the test (it is never skipped).
+kvstore.testing.servers; a server that cannot start fails the test (it is never skipped).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.backends.redis import RedisBackend
 from kvstore.backends.redis_connection import mask_url
-from kvstore.devtools.servers import RedisClusterServer, RedisServer
 from kvstore.testing import listed_keys
+from kvstore.testing.servers import RedisClusterServer, RedisServer
 from kvstore.util.buffers import Buffer
 
 TTL = 100.0

@@ -18,7 +18,7 @@ import torch
 from support import TEST_BUCKET, raw_s3_client, start_server
 
 from kvstore import KVLayout, KVStore, StoreConfig
-from kvstore.devtools.servers import DevServer, RedisClusterServer, RedisServer, SeaweedFSServer
+from kvstore.testing.servers import DevServer, RedisClusterServer, RedisServer, SeaweedFSServer
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, chunk_tokens=64, dtype=torch.bfloat16)
 GET_TIMEOUT = 1.0

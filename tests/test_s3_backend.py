@@ -25,9 +25,9 @@ from botocore.exceptions import BotoCoreError, ClientError, ReadTimeoutError
 from kvstore.backends import make_backend
 from kvstore.backends.s3 import S3Backend
 from kvstore.config import S3Config, TimeoutConfig
-from kvstore.devtools.servers import MotoServer, S3Server, SeaweedFSServer
 from kvstore.errors import S3BackendError
 from kvstore.testing import listed_keys
+from kvstore.testing.servers import MotoServer, S3Server, SeaweedFSServer
 
 BUCKET = "kvstore-test"
 SLOW_DOWN = (

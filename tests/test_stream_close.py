@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
-from kvstore.engine.prefetch import LayerStream
+from kvstore.engine.streams import LayerStream
 from kvstore.errors import LayerTimeout, PrefetchError
 
 # Layers of 1 MiB (8 chunks of 128 KiB): a copy or read of one is long enough to be in flight when close() starts.
@@ -116,7 +116,7 @@ def test_an_engine_thread_waiting_on_a_layer_wakes_when_a_cancelled_close_ends_t
             closing.cancel()
             await asyncio.wait({closing})
 
-        store.submit(cancelled_close()).result()
+        store._submit(cancelled_close()).result()
         with pytest.raises(PrefetchError) as failed:
             stream.wait_layer(LAYOUT.num_layers - 1, timeout=30)
         assert not isinstance(failed.value, LayerTimeout), "the layer's wait ran to its timeout"

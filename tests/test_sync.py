@@ -127,7 +127,7 @@ async def test_a_cancelled_get_many_writes_nothing_into_outs_once_cancel_returne
     def engine_thread() -> None:
         with SyncKVStore(config(tmp_path), LAYOUT, namespace="test", tiers=[tier]) as store:
             outs = caller_buffers(1)
-            call = store.submit(store.store.get_many(keys, outs))
+            call = store.get_many_future(keys, outs)
             assert backend.entered.wait(30)
             assert call.cancel() and call.cancelled()
             done, _ = concurrent.futures.wait([call], timeout=30)  # a waiter on it is woken too
@@ -153,10 +153,10 @@ async def test_a_call_cancelled_before_its_coroutine_started_never_runs(tmp_path
                 holding.set()
                 release.wait(30)  # blocks the loop thread itself
 
-            held = store.submit(hold_the_loop())
+            held = store._submit(hold_the_loop())
             assert holding.wait(30)
             outs = caller_buffers(1)
-            call = store.submit(store.store.get_many([key], outs))
+            call = store.get_many_future([key], outs)
             assert call.cancel() and call.cancelled()
             assert concurrent.futures.wait([call], timeout=30).done == {call}  # its waiters are woken
             release.set()

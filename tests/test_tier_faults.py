@@ -17,9 +17,9 @@ from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.codecs import BytesBytesCodec, register_codec
 from kvstore.codecs import registry as codec_registry
 from kvstore.codecs.registry import CodecRegistry
-from kvstore.devtools.servers import RedisServer
 from kvstore.errors import ConfigError
 from kvstore.storage.container import header_codec
+from kvstore.testing.servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=32)
 MARK = 0x7F  # a chunk whose first byte is this is encoded as one the plugin's decoder chokes on

@@ -147,7 +147,7 @@ async def test_a_streams_slots_stay_held_until_its_last_copy_completes(tmp_path)
     chunks = [chunk(i) for i in range(2)]
     async with KVStore(config(tmp_path), LAYOUT, "transfer") as store:
         store.transfers = Slow(host_as_device=True)
-        object.__setattr__(store._stream_sources, "transfers", store.transfers)
+        object.__setattr__(store._stream_resources, "transfers", store.transfers)
         keys = keys_of(store, 2)
         await store.put_many(keys, chunks)
         _, outs = model_order_outs(2, "cpu")
@@ -198,7 +198,7 @@ def test_the_sync_facade_streams_into_device_buffers(tmp_path, device):
     chunks = [chunk(i) for i in range(2)]
     with SyncKVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "transfer") as store:
         if device == "cpu":
-            store.store.transfers.host_as_device = True
+            store._store.transfers.host_as_device = True
         keys = store.chunk_keys(keys_tokens())
         assert store.put_many(keys, [c.to(device) for c in chunks]) == [True, True]
         store.flush()
@@ -243,7 +243,7 @@ async def test_a_ring_of_outputs_takes_every_layer_in_turn_exactly(tmp_path, dev
 def test_a_ring_buffer_takes_its_next_layer_only_once_released(tmp_path, device):
     chunks = [chunk(i) for i in range(2)]
     with SyncKVStore(config(tmp_path, disk={"enabled": False}), LAYOUT, "transfer") as store:
-        store.store.transfers.host_as_device = device == "cpu"
+        store._store.transfers.host_as_device = device == "cpu"
         keys = store.chunk_keys(keys_tokens())
         store.put_many(keys, chunks)
         store.flush()
@@ -282,7 +282,7 @@ async def test_a_ring_released_ahead_never_reads_two_layers_into_one_buffer(tmp_
 async def test_a_release_that_skips_layers_covers_every_one_it_skipped():
     """Copies into a ring buffer wait for the consumer's work on its last layer, even where the consumer released
     several layers at once: every layer skipped ends with the same completion."""
-    from kvstore.engine.stream_pace import StreamPace
+    from kvstore.engine.streams.pace import StreamPace
 
     pace, held, later = StreamPace(depth=2, ring=2, num_layers=6), Completion(HeldEvent()), Completion(HeldEvent())
     assert pace.allowed() == 2
@@ -300,8 +300,8 @@ def keys_tokens() -> list[int]:
 
 def test_the_device_benchmarks_run_on_the_cpu(tmp_path):
     """``kvstore bench --device``'s code, on small shapes: every row measured, every loaded byte checked."""
-    from kvstore.devtools.bench_device import bench_paths
-    from kvstore.devtools.bench_ttft import bench_ttft, parse_cases
+    from kvstore.bench.device import bench_paths
+    from kvstore.bench.ttft import bench_ttft, parse_cases
 
     rows = asyncio.run(bench_paths("cpu", "SmolLM2-135M", chunks=2, repeats=1, directory=tmp_path))
     assert [row.operation for row in rows][-1] == "stream disk -> outs (warm)" and len(rows) == 5

@@ -208,7 +208,7 @@ def test_connector_a_server_that_stops_answering_costs_its_timeout_not_a_hang(
     """Redis is frozen (SIGSTOP) in front of a fresh engine: the scheduler's lookup and the
     worker's writes time out (the worker's counted once its writes are flushed), the prompt is
     computed, the output is what the writer of ``written`` computed, and the engine shuts down."""
-    from kvstore.devtools.servers import RedisServer
+    from kvstore.testing.servers import RedisServer
 
     with RedisServer() as server:
         redis = {"enabled": True, "url": server.url, "codec": "lz4"}

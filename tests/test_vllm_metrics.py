@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from vllm_engines import ENGINE_TIMEOUT
 
-from kvstore.devtools.bench_serving import (
+from benchmarks.serving import (
     CPU_WORKER_PATH,
     ROOT,
     Sizing,
@@ -26,7 +26,7 @@ from kvstore.devtools.bench_serving import (
     server,
     wait_healthy,
 )
-from kvstore.devtools.servers import free_port
+from kvstore.testing.servers import free_port
 from tests.vllm_support.prompts import prompt
 
 PROMPTS = [prompt(1, 600), prompt(2, 600)]  # 600 tokens each: two full chunks of 256

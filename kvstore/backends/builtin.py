@@ -113,7 +113,7 @@ REDIS = BackendSpec(
     timeout_errors=frozenset({"TimeoutError"}),
     endpoint=lambda backend: str(backend.url),  # the URL with its password masked
     secrets=redis_secrets,
-    dev_server="kvstore.devtools.servers:RedisServer",
+    dev_server="kvstore.testing.servers:RedisServer",
 )
 
 
@@ -150,7 +150,7 @@ S3 = BackendSpec(
     endpoint=s3_endpoint,
     secrets=s3_secrets,
     tools_section=lambda section: section.model_copy(update={"create_bucket": False}),  # the tools never create one
-    dev_server="kvstore.devtools.servers:MotoServer",
+    dev_server="kvstore.testing.servers:MotoServer",
 )
 
 BUILTIN_SPECS: tuple[BackendSpec[Any], ...] = (DISK, REDIS, S3)

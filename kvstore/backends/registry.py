@@ -116,7 +116,7 @@ class BackendSpec(Generic[S]):
     - ``tools_check(section)``: checks before the tools read (a ConfigError naming the fix).
 
     ``dev_server``: ``"module:attribute"`` of a server factory for local tests (a
-    :class:`kvstore.devtools.servers.DevServer`), or None.
+    :class:`kvstore.testing.servers.DevServer`), or None.
     """
 
     name: str

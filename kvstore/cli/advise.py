@@ -6,6 +6,7 @@ instead, for a curve without sampling error on traces small enough to afford it.
 per chunk from the sizes and bandwidths given (defaults: the store config and this machine's measured
 baselines), so every saving is a fraction of prefill compute (see :mod:`kvstore.sizing.advice`).
 
+The write policies weighed are the admission policies of :mod:`kvstore.admission` (``adaptive.policy``).
 The curves give the hit rates of LRU tiers (see :data:`kvstore.sizing.mrc.MODELLED_EVICTION`); the
 output says so, and names the tiers the config has evict by another policy.
 
@@ -129,7 +130,7 @@ def eviction_note(settings: StoreConfig, disk_bytes: int) -> str:
     if differing:
         note += (
             f"; the config sets {', '.join(differing)}, whose hit rates differ (see the eviction page: "
-            "python -m kvstore.devtools.bench_eviction measures them)"
+            "python -m benchmarks.eviction, from a clone, measures them)"
         )
     return note
 
@@ -229,7 +230,9 @@ def advise_command(
     prefill_rate: Annotated[
         float | None, typer.Option(min=1e-9, help="engine prefill, tokens/s (default: the config's)")
     ] = None,
-    policy: Annotated[Policy | None, typer.Option(help="write policy now (default: the config's)")] = None,
+    policy: Annotated[
+        Policy | None, typer.Option(help="write (admission) policy now (default: the config's adaptive.policy)")
+    ] = None,
     dram_gbps: Annotated[float, typer.Option(min=1e-9, help="DRAM copy bandwidth, GB/s")] = DRAM_GBPS,
     disk_read_gbps: Annotated[float, typer.Option(min=1e-9, help="disk read bandwidth, GB/s")] = DISK_READ_GBPS,
     disk_write_gbps: Annotated[float, typer.Option(min=1e-9, help="disk write bandwidth, GB/s")] = DISK_WRITE_GBPS,

@@ -5,8 +5,10 @@ Where a command lives (a new one goes beside its kind, and is registered below):
 - :mod:`kvstore.cli.admin`: ``ls``, ``stats``, ``gc``, ``verify`` (what the tiers hold; the work in
   :mod:`kvstore.cli.inventory`);
 - :mod:`kvstore.cli.advise`: ``advise`` (DRAM size and write policy from a lookup trace);
-- :mod:`kvstore.cli.bench`: ``bench`` (tier throughput against raw baselines);
-- :mod:`kvstore.cli.devtools`: ``demo`` and ``dev-servers`` (trying kvstore on one machine).
+- :mod:`kvstore.cli.bench`: ``bench`` (a quick probe of this machine: tier throughput against raw
+  baselines; the measuring in :mod:`kvstore.bench`);
+- :mod:`kvstore.cli.trying`: ``demo`` and ``dev-servers`` (trying kvstore on one machine; the demo's
+  work in :mod:`kvstore.cli.demo`).
 
 What they share (consoles, exit codes, options, parsing, the table builder) is :mod:`kvstore.cli.console`.
 """
@@ -23,7 +25,7 @@ import typer
 from typer.core import TyperGroup
 
 from kvstore import __version__
-from kvstore.cli import admin, advise, bench, devtools
+from kvstore.cli import admin, advise, bench, trying
 from kvstore.cli.console import EXIT_CODES, EXIT_ERRORS, fail
 
 # Click's exception classes, found from typer's (recent typer releases carry a copy of click of their own).
@@ -107,6 +109,6 @@ for command in (admin.ls, admin.stats, admin.gc, admin.verify):
     app.command()(command)
 app.command("advise")(advise.advise_command)
 app.command()(version)
-app.command()(devtools.demo)
+app.command()(trying.demo)
 app.command()(bench.bench)
-app.command("dev-servers")(devtools.dev_servers)
+app.command("dev-servers")(trying.dev_servers)

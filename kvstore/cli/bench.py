@@ -1,11 +1,12 @@
-"""``kvstore bench``: runs the benchmarks in :mod:`kvstore.devtools` and prints their rows as tables.
+"""``kvstore bench``: a quick probe of this machine; runs the measurements in :mod:`kvstore.bench` and prints tables.
 
-The measuring lives in ``kvstore.devtools.bench`` (DRAM and disk), ``bench_remote`` (Redis and
-S3 on dev servers started for the run), ``bench_prefetch`` (layer streams against simulated
-compute) and ``bench_accuracy`` (codecs' effect on a real model's answers); each returns rows,
-and this module only chooses what to run and renders the results.
-The devtools modules are imported inside the command: they pull in torch and the servers, which
-``kvstore --help`` should not wait for.
+The measuring lives in ``kvstore.bench.local`` (DRAM and disk), ``remote`` (Redis and S3 on dev
+servers started for the run), ``prefetch`` (layer streams against simulated compute), ``device``
+and ``ttft`` (an engine's memory, time to first token) and ``accuracy`` (codecs' effect on a real
+model's answers); each returns rows, and this module only chooses what to run and renders the
+results. Those modules are imported inside the command: they pull in torch and the servers, which
+``kvstore --help`` should not wait for. The research benchmarks (eviction, auto mode, serving...)
+are not here: they run from a clone (``benchmarks/``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from rich.table import Table
 from kvstore.cli.console import EXIT_ERRORS, console, fail, make_table
 from kvstore.util.units import GB, MB, MiB, per_second
 
-if TYPE_CHECKING:  # devtools sit below the CLI; imported for real inside the command (see the docstring)
-    from kvstore.devtools.bench import CodecRow, Row
-    from kvstore.devtools.bench_prefetch import OverlapRow
-    from kvstore.devtools.bench_ttft import TTFTRow
+if TYPE_CHECKING:  # kvstore.bench sits below the CLI; imported for real inside the command (see the docstring)
+    from kvstore.bench.local import CodecRow, Row
+    from kvstore.bench.prefetch import OverlapRow
+    from kvstore.bench.ttft import TTFTRow
 
 RATE_UNITS = {"GB/s": (GB, 2), "MB/s": (MB, 0)}  # unit: (bytes per unit, decimals shown)
 
@@ -174,7 +175,7 @@ def _bench_local(
     mib: int, repeats: int, directory: Path | None, fsync: bool, codecs: bool, sample: Path | None
 ) -> None:
     """DRAM and disk against memcpy and raw file I/O, then codecs in one thread."""
-    from kvstore.devtools import bench as b
+    from kvstore.bench import local as b
 
     rows, _ = asyncio.run(b.run(mib, repeats, directory, fsync))
     title = f"kvstore bench: {mib} MiB per row, best of {repeats}, fsync={'on' if fsync else 'off'}"
@@ -194,8 +195,8 @@ def _remote_names(remote: str, layouts: list[str] | None) -> list[str]:
     """The --remote servers, checked with the --remote-layout names; an unknown one is a usage error."""
     if not remote:
         return []
-    from kvstore.devtools import bench as b
-    from kvstore.devtools import bench_remote_servers as servers
+    from kvstore.bench import local as b
+    from kvstore.bench import remote_servers as servers
 
     try:
         for layout in layouts or []:
@@ -216,9 +217,9 @@ def _bench_remote(
     codecs: bool,
 ) -> None:
     """The remote tiers on dev servers started for the run; exits 1 when a server cannot start."""
-    from kvstore.devtools import bench as b
-    from kvstore.devtools import bench_remote as r
-    from kvstore.devtools import bench_remote_servers as servers
+    from kvstore.bench import local as b
+    from kvstore.bench import remote as r
+    from kvstore.bench import remote_servers as servers
     from kvstore.errors import ServerError
 
     path = (sample or b.default_sample_path()) if codecs else None
@@ -242,7 +243,7 @@ def _bench_remote(
 
 def _bench_prefetch(tiers: str, repeats: int) -> None:
     """Time to first layer and overlap efficiency of layer streams against simulated compute."""
-    from kvstore.devtools import bench_prefetch as p
+    from kvstore.bench import prefetch as p
 
     try:
         names = p.parse_tiers(tiers)
@@ -255,8 +256,8 @@ def _bench_device(device: str, repeats: int, directory: Path | None, cases: str)
     """Loads and saves between the store and ``device`` memory; on a GPU (or with ``cases``) the TTFT table too."""
     import torch
 
-    from kvstore.devtools import bench_device as d
-    from kvstore.devtools import bench_ttft as t
+    from kvstore.bench import device as d
+    from kvstore.bench import ttft as t
 
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"--device {device!r}: choose cpu or cuda")
@@ -301,7 +302,7 @@ def _accuracy_codecs(model: str, codecs: str) -> list[str]:
         if codecs:
             raise typer.BadParameter("--accuracy-codecs needs --accuracy smollm2")
         return []
-    from kvstore.devtools import bench_accuracy as a
+    from kvstore.bench import accuracy as a
 
     if model not in a.MODELS:
         raise typer.BadParameter(f"unknown model {model!r} for --accuracy; choose from {', '.join(a.MODELS)}")
@@ -318,7 +319,7 @@ def _accuracy_codecs(model: str, codecs: str) -> list[str]:
 
 def _bench_accuracy(prompts: int, codecs: list[str]) -> None:
     """Codecs on SmolLM2's answers: a markdown table (the one in docs/codecs.md), progress per prompt as it goes."""
-    from kvstore.devtools import bench_accuracy as a
+    from kvstore.bench import accuracy as a
 
     start = time.perf_counter()
     rows, used = a.run_smollm2(prompts, codecs, lambda line: console.print(line, markup=False, highlight=False))

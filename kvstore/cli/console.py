@@ -2,7 +2,7 @@
 
 Why one module: each command prints tables, reads a configuration, parses sizes and durations
 and ends with an exit code; written once here, they look and behave alike in every command.
-A new command imports from here and from the library below (devtools, sizing, engine), never
+A new command imports from here and from the library below (bench, sizing, engine), never
 from another command's module.
 
 Exit codes (also in docs/operations.md and ``kvstore --help``): 0 done; 1 some objects could not be listed,

@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvstore.admission import DEFAULT_ADMISSION, AdmissionName
 from kvstore.config.base import Capacity, Duration, Section, Size
 from kvstore.errors import ConfigError
 from kvstore.eviction import EvictionName
@@ -215,7 +216,7 @@ class EventsConfig(Section):
 
 
 class AdaptiveConfig(Section):
-    """Online hit-rate tracking (``store.advise()``), the write policy, and auto mode (see kvstore.sizing.adaptive)."""
+    """Online hit-rate tracking (``store.advise()``), the write (admission) policy, and auto mode (kvstore.sizing)."""
 
     track: bool = Field(
         True, description="measure the hit rate against tier size online (~0.25 us a key, after lookup returns)"
@@ -231,8 +232,10 @@ class AdaptiveConfig(Section):
         allow_inf_nan=False,
         description="your engine's prefill rate: what a hit saves (tokens per chunk / this)",
     )
-    policy: Literal["write-through", "second-sighting"] = Field(
-        "write-through", description="write every chunk below DRAM, or only prefixes seen before"
+    policy: AdmissionName = Field(
+        DEFAULT_ADMISSION,
+        description="the admission policy: write every chunk below DRAM ('write-through'), or only prefixes "
+        "seen before ('second-sighting'); see the admission page",
     )
     auto: bool = Field(False, description="resize DRAM within [dram_min, dram_max], switch policy as traffic changes")
     dram_min: Size | None = Field(None, description="smallest DRAM size auto mode may pick (default dram.capacity/8)")

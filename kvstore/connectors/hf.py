@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,7 +129,7 @@ class HFConnector:
     def __init__(self, model: Any, store: SyncKVStore, *, extra: bytes | None = None) -> None:
         """``extra``: bytes that change the KV for the same tokens (a LoRA adapter's id), folded into keys."""
         check_storable(DynamicCache(config=model.config), f"the cache of {type(model).__name__}")
-        layout: KVLayout = store.store.layout
+        layout: KVLayout = store.layout
         expected = layout_for_model(model, dtype=layout.dtype, chunk_tokens=layout.chunk_tokens)
         for field in ("num_layers", "num_kv_heads", "head_dim", "kv_planes"):
             if getattr(layout, field) != getattr(expected, field):
@@ -139,9 +138,7 @@ class HFConnector:
                     f"{getattr(expected, field)}: build the store with layout_for_model(model)"
                 )
         self.model, self.store, self.layout, self.extra = model, store, layout, extra
-        timeouts = store.store.config.timeouts
-        # A layer waits at most for the tiers' header reads plus its own read, each bounded.
-        self.wait_timeout = (len(store.store.tiers) + 2) * timeouts.get
+        self.wait_timeout = store.layer_wait_timeout  # the longest a layer can take while the store keeps its bounds
         self._staging: torch.Tensor | None = None  # a CPU model's saves: one chunk, reused by every save
         self.counters: dict[str, float] = {
             "requests": 0,
@@ -181,20 +178,8 @@ class HFConnector:
         if reused <= 0:
             return LoadedPrefix(self.model, keys)
         prefix = LoadedPrefix(self.model, keys, plan.load, reused, len(tokens))
-        prefix.start(self.store, self.wait_timeout, lambda seconds: self._loaded(plan, seconds))
+        prefix.start(self.store, self.wait_timeout, lambda seconds: self.store.observe_load(plan, seconds))
         return prefix
-
-    def _loaded(self, plan: LoadPlan, seconds: float) -> None:
-        """A planned load took ``seconds``: the planner's read estimate of the tier that cost the most.
-
-        The other tiers' chunks (DRAM's, a faster tier's) are taken at their expected time.
-        """
-        planner, chunk = self.store.store.planner, self.layout.chunk_nbytes
-        counts = Counter(plan.tiers[: plan.load])  # DRAM too: its rate is that of the path this model loads through
-        expected = {tier: planner.estimate(tier).seconds(n * chunk) for tier, n in counts.items()}
-        slowest = max(expected, key=expected.__getitem__)
-        others = sum(expected.values()) - expected[slowest]
-        planner.observe_read(slowest, max(seconds - others, seconds / 2), counts[slowest] * chunk)
 
     def save(
         self, token_ids: torch.Tensor | Sequence[int], cache: DynamicCache, *, start_chunk: int | None = None
@@ -313,7 +298,7 @@ class HFConnector:
             if seconds is None:
                 waiting.append(prefill)
             else:
-                self.store.store.planner.observe_prefill(prefill.tokens, seconds - prefill.waited)
+                self.store.observe_prefill(prefill.tokens, seconds - prefill.waited)
         self._prefills = waiting
 
     def stats(self) -> dict[str, Any]:

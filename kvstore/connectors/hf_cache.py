@@ -128,7 +128,7 @@ class LoadedPrefix:
         On a GPU the layers cross the bus on the store's copy stream, and the model's stream waits
         for each layer's copies only when the forward pass reaches it.
         """
-        layout: KVLayout = store.store.layout
+        layout: KVLayout = store.layout
         shape = (layout.kv_planes, 1, layout.num_kv_heads, self.prompt_tokens, layout.head_dim)
         outs = None
         if layout.dtype == self.model_dtype and self.model_device.type in ("cpu", "cuda"):

@@ -42,7 +42,9 @@ NS_TIER_STATE = ("namespace", "tier", "state")
 
 # What each stats() counter is exposed as: (section, key) -> (metric, help); the tests check none is missing.
 # A section is stats()["store"], the stats() entry of each tier (labelled with the tier), its "breaker" entry,
-# or stats()["adaptive"].
+# or stats()["adaptive"]. This table, with FAMILIES below, is the one place a figure's meaning is written:
+# vLLM's /metrics (kvstore.connectors.vllm.stats) shows some of the same figures under its own names and
+# takes their meaning from here.
 COUNTERS = {
     ("store", "puts"): ("kvstore_puts", "put() calls"),
     ("store", "put_rejected"): ("kvstore_put_rejected", "puts refused: every DRAM slot was held by a transfer"),

@@ -51,7 +51,7 @@ import math
 import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -184,6 +184,21 @@ class LoadPlanner:
         estimate = self.estimate(tier, local)
         with self._lock:
             self._observe_read(estimate, seconds, nbytes)
+
+    def observe_load(self, plan: LoadPlan, seconds: float) -> None:
+        """A planned load (``plan.load`` chunks) took ``seconds`` as the engine saw it (any thread).
+
+        The time is the read estimate of the tier that was expected to cost the most; the other
+        tiers' chunks (DRAM's, a faster tier's) are taken at their expected time. DRAM counts as a
+        tier here too: its rate is that of the path the engine loads through.
+        """
+        counts = Counter(plan.tiers[: plan.load])
+        if not counts:
+            return
+        expected = {tier: self.estimate(tier).seconds(n * self.chunk_nbytes) for tier, n in counts.items()}
+        slowest = max(expected, key=expected.__getitem__)
+        others = sum(expected.values()) - expected[slowest]
+        self.observe_read(slowest, max(seconds - others, seconds / 2), counts[slowest] * self.chunk_nbytes)
 
     def _observe_read(self, estimate: TierEstimate, seconds: float, nbytes: int) -> None:
         now = self.clock()

@@ -12,11 +12,14 @@
   handed to an operation stays referenced until that operation has really finished, even past a
   timeout, so its memory is never reused under a thread that is still reading or writing it.
 
-About 600 lines on purpose: put (from CPU and device memory, with the second-sighting policy),
+About 700 lines on purpose: put (from CPU and device memory, through the admission policy),
 lookup, get and the streams' promotions share the slot reference rules above and the store's
 counters, and read best side by side; what stands alone lives beside this module (the write
-cascade: engine/cascade.py; reads from the tiers: engine/loads.py; each tier's guarded
-operations: storage/health.py; measured costs, layer streams, the DRAM pool, metrics).
+cascade: engine/cascade.py; reads from the tiers: engine/loads.py; layer streams:
+engine/streams/; which tier a put reaches: kvstore.admission; the tiers themselves, built by
+kvstore.storage.build_tiers; each tier's guarded operations: storage/health.py; measured costs,
+the DRAM pool, metrics). Engine integrations (connectors) use
+:class:`~kvstore.engine.sync.SyncKVStore`, their whole contract, not this class.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.backends import make_backend
-from kvstore.codecs import CodecPipeline, make_codec
+from kvstore.admission import HeldBack, make_admission
+from kvstore.codecs import CodecPipeline
 from kvstore.config import StoreConfig
 from kvstore.engine import metrics
 from kvstore.engine.arguments import check_keys, check_tensor, check_tensors, refuse_shared_memory
@@ -42,18 +45,17 @@ from kvstore.engine.costs import bus_bandwidth, copy_bandwidth, measured_costs
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.loads import Deadline, TierLoader
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
-from kvstore.engine.prefetch import LayerStream
 from kvstore.engine.stats import StoreLatency
-from kvstore.engine.stream_sources import StreamSources
+from kvstore.engine.streams import LayerStream, StreamHooks, StreamResources
 from kvstore.engine.transfer import Completion, DeviceTransfers, ready_on_current_stream
 from kvstore.errors import StoreClosedError
 from kvstore.events import DRAM_MEDIUM, NO_EVENTS, ChunkEvents, NoEvents, open_publisher
-from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes, namespace_dir
+from kvstore.keys import ChunkKey, chunk_keys, key_to_bytes
 from kvstore.layout import KVLayout
-from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, HeldBack, make_tracker
+from kvstore.sizing.adaptive import AccessTracker, AdaptiveCounters, AutoMode, make_tracker
 from kvstore.sizing.advice import Advice, CostModel, Policy, advise
 from kvstore.sizing.mrc import ReuseProfile
-from kvstore.storage.crypto import ChunkCipher
+from kvstore.storage.build import build_tiers
 from kvstore.storage.layer_reader import ReaderTier
 from kvstore.storage.links import PrefixLinks
 from kvstore.storage.tier import ChunkTier
@@ -76,8 +78,10 @@ class KVStore:
         salt: bytes | str | None = None,
         tiers: Sequence[ChunkTier] | None = None,
     ) -> None:
-        """``tiers`` replaces the tiers built from ``config`` (for tests and custom backends), each with its own
-        health: its circuit breaker is the one it was built with, not ``config.breaker``."""
+        """The store is given its tiers below DRAM, fastest first: ``tiers`` (for tests and custom backends, each
+        with its own health: its circuit breaker is the one it was built with, not ``config.breaker``), else
+        the ones ``config`` enables (:func:`kvstore.storage.build_tiers`, on the store's I/O threads). Either
+        way the store opens and closes them."""
         self.config = config
         self.layout = layout
         self.namespace = namespace
@@ -104,12 +108,13 @@ class KVStore:
             eviction=config.dram.eviction,
             events=self.events,
         )
-        self.policy: Policy = adaptive.policy
         self.adaptive = AdaptiveCounters()
         self._tracker: AccessTracker | None = None
-        self._held_back = HeldBack(2 * self.pool.max_slots)
         self._auto: AutoMode | None = None  # made at open(), with the tracker
-        self.tiers: list[ChunkTier] = list(tiers) if tiers is not None else self._tiers_from_config()
+        # which tiers below DRAM a put is written to, and when (kvstore.admission); auto mode may switch it
+        held_back: HeldBack[ChunkTier] = HeldBack(2 * self.pool.max_slots)
+        self._admission = make_admission(adaptive.policy, held_back, self._seen_before)
+        self.tiers = list(tiers) if tiers is not None else build_tiers(config, layout, namespace, self._executor)
         # each chunk's parent as put or read, written into every tier's copy (kvstore.storage.links)
         self.links = PrefixLinks(max(1 << 16, 2 * self.pool.max_slots))
         for tier in self.tiers:
@@ -130,16 +135,14 @@ class KVStore:
         }
         self.transfers = DeviceTransfers()  # copies to and from device tensors (copy streams, their events)
         self._device_puts: set[asyncio.Future[None]] = set()  # puts whose device-to-slot copy is in flight
-        self._stream_sources = StreamSources(
+        self._stream_resources = StreamResources(  # what the layer streams it opens draw on (kvstore.engine.streams)
             layout,
             self.pool,
             self.tiers,
             self._executor,
-            config.timeouts.get,
-            self._stream_opened,
-            config.timeouts.close,
-            self._stream_promote,
-            admit=self._stream_admit,
+            StreamHooks(opened=self._stream_opened, promote=self._stream_promote, admit=self._stream_admit),
+            read_timeout=config.timeouts.get,
+            close_timeout=config.timeouts.close,
             transfers=self.transfers,
             read_threads=min(config.io_threads, usable_cores()),  # more threads than cores only add hops
         )
@@ -155,27 +158,6 @@ class KVStore:
         self.planner = LoadPlanner(config.planner, layout.chunk_nbytes, layout.chunk_tokens, dram_rate)
         self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
         self._state = "new"
-
-    def _tiers_from_config(self) -> list[ChunkTier]:
-        """Each backend the config enables, fastest first: disk, Redis, S3, and registered ones by their rank."""
-        from kvstore.backends.registry import backend_sections
-
-        config = self.config
-        directory = namespace_dir(self.namespace)  # objects are stored per namespace: see kvstore gc
-        key = config.encryption.resolve_key()
-        cipher = ChunkCipher(key) if key is not None else None
-        return [
-            ChunkTier(
-                make_backend(section, config.timeouts, directory, executor=self._executor),
-                make_codec(section.codec),
-                self.layout,
-                self._executor,
-                cipher=cipher,
-                breaker=config.breaker,
-            )
-            for _, section in backend_sections(config)
-            if section.enabled
-        ]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -380,9 +362,7 @@ class KVStore:
                 self._counters["put_duplicate"] += 1
                 accepted.append(True)
                 continue
-            below = self.tiers
-            if self.policy == "second-sighting" and self.tiers and self._tracker and not self._tracker.seen_before(key):
-                below = []  # a first sighting: DRAM only, until its prefix is looked up again
+            below = self._admission.admit(key, self.tiers)  # the tiers written now; the rest wait for a DRAM hit
             slot = self.pool.reserve()
             if slot is None:
                 self._counters["put_rejected"] += 1
@@ -452,9 +432,8 @@ class KVStore:
             self._counters["put_duplicate"] += 1
             return False
         self._cascade.enqueue(below, key, slot)
-        if below is not self.tiers:
-            self._held_back.add(key)
-            self.adaptive.held_back += 1
+        if len(below) < len(self.tiers):  # the admission policy held tiers back: the next DRAM hit writes them
+            self._admission.hold(key, [tier for tier in self.tiers if tier not in below])
         return True
 
     async def _copy_in(self, target: torch.Tensor, kv: torch.Tensor) -> None:
@@ -588,13 +567,12 @@ class KVStore:
         return results
 
     def _release_held_back(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
-        """DRAM hits on chunks the second-sighting policy kept from the lower tiers: a second sighting, so send them."""
-        if not len(self._held_back):
+        """DRAM hits on chunks the admission policy held back from lower tiers: a second sighting, so write them."""
+        if not self._admission.holding:
             return
         for key, slot in zip(keys, slots, strict=True):
-            if slot is not None and self._held_back.take(key):
-                self._cascade.enqueue(self.tiers, key, slot)
-                self.adaptive.released += 1
+            if slot is not None and (tiers := self._admission.sighted(key)):
+                self._cascade.enqueue(tiers, key, slot)
 
     def _stream_opened(self, keys: Sequence[ChunkKey], slots: Sequence[int | None]) -> None:
         """A layer stream found ``slots`` (None: not in DRAM) for ``keys``: count; a DRAM hit is a second sighting."""
@@ -631,6 +609,20 @@ class KVStore:
         self._loader.admit(position, key, self.config.timeouts.get)
 
     # -- adaptive sizing (what auto mode may read and change: kvstore.sizing.adaptive.SizingTarget) ----
+
+    @property
+    def policy(self) -> Policy:
+        """The admission (write) policy in force, by name (``adaptive.policy``; see :mod:`kvstore.admission`)."""
+        return self._admission.name  # type: ignore[return-value]  # a registry name, as make_admission checked
+
+    @policy.setter
+    def policy(self, name: Policy) -> None:
+        """Switch to policy ``name`` (auto mode does): it takes over the chunks held back so far."""
+        self._admission = make_admission(name, self._admission.held_back, self._seen_before)
+
+    def _seen_before(self, key: ChunkKey) -> bool:
+        """Whether lookups saw ``key`` before (the admission policy's sightings); True where none are tracked."""
+        return self._tracker is None or self._tracker.seen_before(key)
 
     @property
     def dram_bytes(self) -> int:
@@ -676,7 +668,7 @@ class KVStore:
 
         ``async for layer, kv in store.prefetch(keys[:n])``: ``kv`` is layer ``layer`` of all
         chunks, ``[planes, n * chunk_tokens, heads, head_dim]`` (into ``outs[layer]`` if given).
-        A layer that cannot be loaded raises :class:`kvstore.engine.prefetch.PrefetchError`. ``outs`` (one per
+        A layer that cannot be loaded raises :class:`kvstore.errors.PrefetchError`. ``outs`` (one per
         layer, or a ring of fewer) must not share memory: a ValueError names the two.
         CUDA ``outs`` are written only after the work queued so far on this thread's current stream
         (``ready``, recorded by :class:`SyncKVStore` on the engine's thread), which may still read them.
@@ -690,7 +682,7 @@ class KVStore:
             refuse_shared_memory(outs, "prefetch", "outs", "each layer (or slot of a ring) needs a buffer of its own")
         if ready is None and outs:
             ready = ready_on_current_stream(outs[0].device)
-        stream = LayerStream(self._stream_sources, keys, depth, outs, ready)
+        stream = LayerStream(self._stream_resources, keys, depth, outs, ready)
         self._streams.add(stream)  # store.close() closes the streams still open
         return stream
 
@@ -714,7 +706,7 @@ class KVStore:
         tiers = {tier.name: {**tier.stats_dict(), "queued": n} for tier, n in queued.items() if n is not None}
         loader = self._loader
         store = {**self._counters, "admitted": loader.admitted, "admissions_dropped": loader.admissions_dropped}
-        adaptive: dict[str, Any] = {"policy": self.policy, **self.adaptive.as_dict()}
+        adaptive: dict[str, Any] = {"policy": self.policy, **self.adaptive.as_dict(), **self._admission.counters()}
         if self._tracker is not None:  # counts only: stats() may run on a scrape thread, the tracker is the loop's
             adaptive |= {"lookups_tracked": self._tracker.references, "sample_rate": self._tracker.sampler.rate}
         return {"store": store, "dram": self.pool.stats(), "adaptive": adaptive, **tiers}

@@ -1,57 +1,75 @@
-"""SyncKVStore: the store for engine threads, with its event loop in one background thread.
+"""SyncKVStore: the whole contract between an engine integration and the store.
 
-Each method submits the async method to that loop and waits for its result: a thin wrapper,
-so behaviour and errors are the async core's. ``put`` waits only for the DRAM copy; the writes
-to slower tiers continue on the loop thread while the engine goes on.
+An engine's connector (vLLM, SGLang, transformers, or a new one) uses this class and nothing
+behind it: the layout, the tiers' names, KV events' chunk names, the load planner's plans and
+observations, the bound on a layer's wait, and the store's calls, blocking or as futures. The
+asynchronous :class:`~kvstore.KVStore` it drives runs on an event loop in one background thread
+and stays private to it (``tests/test_package_layout.py`` fails if a connector reaches it). The
+store's rules (how long a call or a layer may take, where a measured load's time goes) are
+decided here or below, once, never re-derived by a connector.
 
-A call that ends early never leaves work behind in the caller's memory. ``submit`` returns a
-:class:`LoopCall`, whose ``cancel()`` returns only once its coroutine has stopped (a read that
-fills the caller's ``outs`` writes nothing into them after that; see ``KVStore.get_many``), and a
-blocking call interrupted in the engine thread (a ``flush(timeout)`` that times out, a
-KeyboardInterrupt) cancels its coroutine the same way before the exception reaches the caller.
-The wait is bounded by ``timeouts.close``: the store's own operations stop within it.
+Each blocking method submits the async method to that loop and waits for its result: a thin
+wrapper, so behaviour and errors are the async core's. ``put`` waits only for the DRAM copy; the
+writes to slower tiers continue on the loop thread while the engine goes on. Each ``*_future``
+method returns at once (for an engine's scheduler, which never waits on I/O).
+
+A call that ends early never leaves work behind in the caller's memory. A ``*_future`` returns a
+:class:`~kvstore.engine.loop_thread.LoopCall`, whose ``cancel()`` returns only once its coroutine
+has stopped (a read that fills the caller's ``outs`` writes nothing into them after that; see
+``KVStore.get_many``), and a blocking call interrupted in the engine thread (a ``flush(timeout)``
+that times out, a KeyboardInterrupt) cancels its coroutine the same way before the exception
+reaches the caller. The wait is bounded by ``timeouts.close``: the store's own operations stop
+within it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from kvstore.config import StoreConfig
 from kvstore.engine.arguments import check_tensor, check_tensors
-from kvstore.engine.planner import LoadPlan
-from kvstore.engine.prefetch import LayerStream
+from kvstore.engine.loop_thread import LoopCall, LoopWaker, on_loop
+from kvstore.engine.planner import LoadPlan, PrefillClock
 from kvstore.engine.store import KVStore
-from kvstore.engine.transfer import DONE, ready_on_current_stream
-from kvstore.errors import LayerTimeout, StoreClosedError
+from kvstore.engine.streams import LayerStream
+from kvstore.engine.transfer import DONE, Completion, ready_on_current_stream
+from kvstore.errors import KVStoreError, LayerTimeout, StoreClosedError
+from kvstore.events import ChunkEvents, ChunkIdentity
 from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.sizing.advice import Advice
 
 T = TypeVar("T")
 log = logging.getLogger("kvstore")
+HOP_MARGIN_S = 5.0  # beyond the store's own deadline, for the hop to its loop thread and back
 
 
 class SyncKVStore:
-    """:class:`~kvstore.KVStore`'s methods for engine threads, blocking (see the module's doc)."""
+    """:class:`~kvstore.KVStore` for engine threads: the contract every connector uses (see the module's doc)."""
 
     def __init__(self, config: StoreConfig, layout: KVLayout, namespace: str, **kwargs: Any) -> None:
+        """Open a store (blocking); ``kwargs`` are :class:`~kvstore.KVStore`'s (``salt``, ``tiers``)."""
         self._settle_s = config.timeouts.close  # how long a cancelled call may take to stop
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-loop", daemon=True)
         self._thread.start()
         self._waker = LoopWaker(self._loop)
         try:
-            self.store = self._call(self._create(config, layout, namespace, kwargs))
+            self._store = self._call(self._create(config, layout, namespace, kwargs))
         except BaseException:
             self._stop_loop()
             raise
+        timeouts = config.timeouts
+        # A layer waits at most for the tiers' header reads plus its own read, each bounded by timeouts.get.
+        self.layer_wait_timeout: float = (len(self._store.tiers) + 2) * timeouts.get
+        # A call the caller bounds (call_within): the store's own deadline for it, and the hop.
+        self.call_timeout: float = timeouts.get + HOP_MARGIN_S
 
     @staticmethod
     async def _create(config: StoreConfig, layout: KVLayout, namespace: str, kwargs: dict[str, Any]) -> KVStore:
@@ -63,54 +81,15 @@ class SyncKVStore:
         if threading.current_thread() is self._thread:
             coroutine.close()
             raise RuntimeError("SyncKVStore methods cannot be called from its own event-loop thread")
-        call = self.submit(coroutine)
+        call = self._submit(coroutine)
         try:
             return call.result(timeout)
         except BaseException:
             call.cancel()  # False if it had ended: then nothing is left running
             raise
 
-    def chunk_keys(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[ChunkKey]:
-        return self.store.chunk_keys(token_ids, extra)
-
-    def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None) -> bool:
-        """``KVStore.put``; a device ``kv`` is copied once the work queued on this thread's current stream is done."""
-        check_tensor(kv, "put: kv")  # before its device is read here
-        return self._call(self.store.put(key, kv, parent=parent, ready=ready_on_current_stream(kv.device)))
-
-    def put_many(
-        self,
-        keys: Sequence[ChunkKey],
-        kvs: Sequence[torch.Tensor],
-        *,
-        parents: Sequence[ChunkKey | None] | None = None,
-    ) -> list[bool]:
-        """``KVStore.put_many`` (one hop to the loop for all of them); device tensors as in :meth:`put`."""
-        check_tensors(kvs, "put_many: kvs")  # before their devices are read here
-        device = next((kv.device for kv in kvs if kv.device.type == "cuda"), None)
-        ready = ready_on_current_stream(device) if device is not None else None
-        return self._call(self.store.put_many(keys, kvs, parents=parents, ready=ready))
-
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        return self._call(self.store.lookup(keys))
-
-    def lookup_future(self, keys: Sequence[ChunkKey]) -> concurrent.futures.Future[int]:
-        """``lookup`` without waiting: for callers that must not block (an engine's scheduler)."""
-        return self.submit(self.store.lookup(keys))
-
-    def plan(self, keys: Sequence[ChunkKey]) -> LoadPlan:
-        """``KVStore.plan``: how many leading ``keys`` to load, and from which tier (blocking)."""
-        return self._call(self.store.plan(keys))
-
-    def plan_future(self, keys: Sequence[ChunkKey]) -> concurrent.futures.Future[LoadPlan]:
-        """``plan`` without waiting: for callers that must not block (an engine's scheduler)."""
-        return self.submit(self.store.plan(keys))
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> LoopCall[T]:
-        """Run a coroutine (using ``self.store``) on the store's loop without waiting for it.
-
-        The future's ``cancel()`` returns once the coroutine has stopped (see :class:`LoopCall`).
-        """
+    def _submit(self, coroutine: Coroutine[Any, Any, T]) -> LoopCall[T]:
+        """Run a coroutine on the store's loop without waiting for it (non-blocking)."""
         if self._loop.is_closed() or not self._thread.is_alive():
             coroutine.close()
             raise StoreClosedError("the SyncKVStore is closed")
@@ -122,8 +101,127 @@ class SyncKVStore:
             raise StoreClosedError("the SyncKVStore is closed") from None
         return call
 
+    # -- what the store is -------------------------------------------------------------------
+
+    @property
+    def layout(self) -> KVLayout:
+        """The chunk layout the store was opened with."""
+        return self._store.layout
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The tiers, fastest first: ``"dram"``, then each secondary tier's name (``"disk"``, ``"redis"``, ...)."""
+        return ("dram", *(tier.name for tier in self._store.tiers))
+
+    @property
+    def metrics_port(self) -> int | None:
+        """Where the store's Prometheus exporter listens (``metrics.enabled``), else None."""
+        return self._store.metrics_port
+
+    @property
+    def publishes_events(self) -> bool:
+        """Whether the store publishes KV events (``events.enabled``); :meth:`name_chunks` is a no-op otherwise."""
+        return isinstance(self._store.events, ChunkEvents)
+
+    def name_chunks(self, names: Mapping[ChunkKey, ChunkIdentity]) -> None:
+        """Advertise each chunk in KV events by the engine's own name for it (non-blocking; thread-safe)."""
+        events = self._store.events
+        if isinstance(events, ChunkEvents):
+            for key, identity in names.items():
+                events.attribute(key, identity)
+
+    def chunk_keys(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[ChunkKey]:
+        return self._store.chunk_keys(token_ids, extra)
+
+    # -- puts --------------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, kv: torch.Tensor, *, parent: ChunkKey | None = None) -> bool:
+        """``KVStore.put``; a device ``kv`` is copied once the work queued on this thread's current stream is done."""
+        check_tensor(kv, "put: kv")  # before its device is read here
+        return self._call(self._store.put(key, kv, parent=parent, ready=ready_on_current_stream(kv.device)))
+
+    def put_many(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        *,
+        parents: Sequence[ChunkKey | None] | None = None,
+    ) -> list[bool]:
+        """``KVStore.put_many`` (one hop to the loop for all of them); device tensors as in :meth:`put`."""
+        call = self.put_many_future(keys, kvs, parents=parents)
+        try:
+            return call.result()
+        except BaseException:
+            call.cancel()
+            raise
+
+    def put_many_future(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        *,
+        parents: Sequence[ChunkKey | None] | None = None,
+        prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        then: Callable[[list[bool]], T] | None = None,
+    ) -> LoopCall[Any]:
+        """:meth:`put_many` without waiting (non-blocking): the chunks must stay unchanged until it resolves.
+
+        Device tensors are copied once the work queued so far on this thread's current stream is done.
+        ``prepare``: each chunk is ``prepare(kvs[i])``, made on the store's loop one chunk at a time
+        just before its copy into DRAM (a caller's reordering, off its own thread and needing memory
+        for one chunk, not all). ``then``: called on the store's loop with what ``put_many`` returned,
+        before the future resolves to its result.
+        """
+        check_tensors(kvs, "put_many: kvs")  # before their devices are read here
+        ready = _ready_for(kvs)
+        if prepare is None:
+            puts = self._store.put_many(keys, kvs, parents=parents, ready=ready)
+        else:
+            puts = _put_prepared(self._store, keys, kvs, parents, prepare, ready)
+        return self._submit(puts if then is None else _then(puts, then))
+
+    # -- lookups and plans -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        return self._call(self._store.lookup(keys))
+
+    def lookup_future(self, keys: Sequence[ChunkKey]) -> LoopCall[int]:
+        """``lookup`` without waiting: for callers that must not block (an engine's scheduler)."""
+        return self._submit(self._store.lookup(keys))
+
+    def plan(self, keys: Sequence[ChunkKey]) -> LoadPlan:
+        """``KVStore.plan``: how many leading ``keys`` to load, and from which tier (blocking)."""
+        return self._call(self._store.plan(keys))
+
+    def plan_future(self, keys: Sequence[ChunkKey]) -> LoopCall[LoadPlan]:
+        """``plan`` without waiting: for callers that must not block (an engine's scheduler)."""
+        return self._submit(self._store.plan(keys))
+
+    def plan_tiers(self, tiers: Sequence[str]) -> LoadPlan:
+        """The plan for chunks already known to be held where ``tiers`` says (no I/O; on the calling thread)."""
+        return self._store.planner.plan(tiers)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` of prefill in ``seconds``: the planner's recompute rate (non-blocking)."""
+        self._store.planner.observe_prefill(tokens, seconds)
+
+    def observe_load(self, plan: LoadPlan, seconds: float) -> None:
+        """A planned load (``plan.load`` chunks) took ``seconds`` as the engine saw it (non-blocking).
+
+        The time goes to the tier whose share of the plan was expected to cost the most; the other
+        tiers' chunks are taken at their expected time (see ``LoadPlanner.observe_load``).
+        """
+        self._store.planner.observe_load(plan, seconds)
+
+    def prefill_clock(self, min_tokens: int, timed: bool = True) -> PrefillClock:
+        """A clock that times an engine's prefill steps into the planner (``timed`` False: a clock that
+        measures nothing, for an engine whose steps cannot be timed)."""
+        return PrefillClock(self._store.planner if timed else None, min_tokens)
+
+    # -- reads -------------------------------------------------------------------------------
+
     def get(self, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self._call(self.store.get(key, out))
+        return self._call(self._store.get(key, out))
 
     def get_many(
         self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor] | None = None
@@ -131,36 +229,77 @@ class SyncKVStore:
         """``KVStore.get_many``: each chunk as ``outs[i]`` (or a new tensor), or None on a miss.
 
         Once this returns, or raises, nothing writes into ``outs`` any more; so too once a
-        ``submit(store.get_many(keys, outs))`` future's ``cancel()`` has returned.
+        :meth:`get_many_future`'s ``cancel()`` has returned.
         """
-        return self._call(self.store.get_many(keys, outs))
+        return self._call(self._store.get_many(keys, outs))
+
+    def get_many_future(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[torch.Tensor] | None = None,
+        *,
+        then: Callable[[list[torch.Tensor | None]], T] | None = None,
+    ) -> LoopCall[Any]:
+        """:meth:`get_many` without waiting (non-blocking); its ``cancel()`` returns once nothing writes into ``outs``.
+
+        ``then``: called on the store's loop with the chunks read, before the future resolves to its
+        result (a caller's work on what was read, such as a reorder into its own buffers, off its thread).
+        """
+        if then is None:
+            return self._submit(self._store.get_many(keys, outs))
+        return self._submit(_then(self._store.get_many(keys, outs), then))
+
+    def call_within(self, call: LoopCall[T], what: str) -> T | None:
+        """Wait for ``call`` at most :attr:`call_timeout` (the store's ``timeouts.get`` and the hop); None if it
+        failed (a KVStoreError, logged) or was late: then it is stopped first, so a late read writes nothing
+        into the caller's memory afterwards. For engines that treat a slow or failed call as a miss."""
+        try:
+            return call.result(timeout=self.call_timeout)
+        except TimeoutError:
+            call.cancel()
+            log.warning("kvstore %s did not end within %.1fs; treated as a miss", what, self.call_timeout)
+        except KVStoreError as exc:
+            log.warning("kvstore %s failed (%s); treated as a miss", what, exc)
+        return None
 
     def prefetch(
         self, keys: Sequence[ChunkKey], *, depth: int = 2, outs: Sequence[torch.Tensor] | None = None
     ) -> SyncLayerStream:
-        """The layer stream for engine threads: ``stream.wait_layer(i)`` blocks until layer i is in."""
+        """The layer stream for engine threads: ``stream.wait_layer(i)`` blocks until layer i is in.
+
+        Wait for a layer at most :attr:`layer_wait_timeout`: the longest a layer can take while the
+        store keeps its own bounds.
+        """
         if outs is not None:  # before their device is read here
             check_tensors(outs, "prefetch: outs")
         ready = ready_on_current_stream(outs[0].device) if outs else None  # this thread's stream, not the loop's
-        stream = self._call(_on_loop(lambda: self.store.prefetch(keys, depth=depth, outs=outs, ready=ready)))
+        stream = self._call(on_loop(lambda: self._store.prefetch(keys, depth=depth, outs=outs, ready=ready)))
         return SyncLayerStream(self, stream)
 
+    # -- the rest ----------------------------------------------------------------------------
+
     def flush(self, timeout: float | None = None) -> None:
-        self._call(self.store.flush(), timeout)
+        self._call(self._store.flush(), timeout)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return self._call(_on_loop(self.store.stats))
+        """The store's counters, per tier (read on its loop: blocking, briefly)."""
+        return self._call(on_loop(self._store.stats))
+
+    def stats_now(self) -> dict[str, dict[str, Any]]:
+        """:meth:`stats` read on the calling thread, without the hop to the loop (non-blocking: for an engine's
+        per-step report; a counter may be one update behind)."""
+        return self._store.stats()
 
     def advise(self, bounds: tuple[int, int] | None = None) -> Advice:
         """:meth:`KVStore.advise`, run on the store's loop (the tracker is the loop's)."""
-        return self._call(_on_loop(lambda: self.store.advise(bounds)))
+        return self._call(on_loop(lambda: self._store.advise(bounds)))
 
     def close(self) -> None:
         if not self._thread.is_alive():
             return
         try:
             # close() bounds each of its steps (streams, pending writes, tiers) by timeouts.close.
-            self._call(self.store.close(), timeout=3 * self.store.config.timeouts.close + 5)
+            self._call(self._store.close(), timeout=3 * self._settle_s + 5)
         finally:
             self._stop_loop()
 
@@ -178,145 +317,39 @@ class SyncKVStore:
         self.close()
 
 
-class LoopCall(concurrent.futures.Future[T]):
-    """A coroutine run on the store's loop (what :meth:`SyncKVStore.submit` returns).
-
-    A ``concurrent.futures.Future`` whose :meth:`cancel` stops the coroutine, not only the wait
-    for it: one not started yet never starts (no wait); a running one is cancelled on the loop,
-    and ``cancel()`` returns once it has ended, at most ``settle_s`` seconds later (the store's
-    ``timeouts.close``, within which its operations stop). So when ``cancel()`` returns True,
-    memory the coroutine was writing (a ``get_many``'s ``outs``) is the caller's again, and
-    whoever waits on ``result()`` in another thread is woken only then too.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread, settle_s: float) -> None:
-        super().__init__()
-        self._loop, self._loop_thread, self._settle_s = loop, loop_thread, settle_s
-        self._task: asyncio.Task[T] | None = None
-        self._started = False  # under _start_lock: the coroutine runs (or ran) on the loop
-        self._start_lock = threading.Lock()
-        self._ended = threading.Event()  # the coroutine has ended: nothing of it runs any more
-        self._notified = False  # under _start_lock: waiters (concurrent.futures.wait) were told of the cancel
-
-    def start(self, coroutine: Coroutine[Any, Any, T]) -> None:
-        """Start the coroutine (on the loop), unless the call was cancelled first: then it never runs."""
-        with self._start_lock:
-            if self.cancelled():
-                coroutine.close()
-                self._ended.set()
-                return
-            self._started = True
-        self._task = self._loop.create_task(coroutine)
-        self._task.add_done_callback(self._finish)
-
-    def _finish(self, task: asyncio.Task[T]) -> None:
-        """The coroutine ended (on the loop): its outcome becomes this future's."""
-        try:
-            if task.cancelled():
-                self._cancel_and_notify()
-            elif self.set_running_or_notify_cancel():
-                exception = task.exception()
-                if exception is None:
-                    self.set_result(task.result())
-                else:
-                    self.set_exception(exception)
-        finally:
-            self._ended.set()
-
-    def cancel(self) -> bool:
-        """Cancel the coroutine; True once it has stopped cancelled, False if it had ended (or would not stop).
-
-        On the loop's own thread it cannot be waited for: it is cancelled and True returned at once.
-        """
-        with self._start_lock:
-            if self.done():
-                return False
-            if not self._started:  # start() will see it and close the coroutine unrun
-                return self._cancel_and_notify(locked=True)
-        if threading.current_thread() is self._loop_thread:
-            assert self._task is not None  # started, and start() runs on this thread
-            self._task.cancel()
-            return True
-        try:
-            self._loop.call_soon_threadsafe(self._cancel_task)
-        except RuntimeError:  # the loop is closed: nothing of the coroutine runs any more
-            return self._cancel_and_notify()
-        if not self._ended.wait(self._settle_s):
-            log.warning("a cancelled kvstore call did not stop within %.1fs (timeouts.close)", self._settle_s)
-            return False
-        return self.cancelled()
-
-    def _cancel_and_notify(self, locked: bool = False) -> bool:
-        """Mark the future cancelled and tell every waiter (``concurrent.futures.wait``, ``as_completed``), once.
-
-        A plain ``Future.cancel()`` leaves waiters asleep until ``set_running_or_notify_cancel()``,
-        which an executor calls; here nobody else would.
-        """
-        if not locked:
-            with self._start_lock:
-                return self._cancel_and_notify(locked=True)
-        if not super().cancel():
-            return False
-        if not self._notified:
-            self._notified = True
-            self.set_running_or_notify_cancel()  # CANCELLED -> CANCELLED_AND_NOTIFIED, waiters woken
-        return True
-
-    def _cancel_task(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+def _ready_for(kvs: Sequence[torch.Tensor]) -> Completion | None:
+    """When chunks on a device may be read: after the work queued so far on this thread's current stream."""
+    device = next((kv.device for kv in kvs if kv.device.type == "cuda"), None)
+    return ready_on_current_stream(device) if device is not None else None
 
 
-class LoopWaker:
-    """Posts engine threads' calls to the store's loop from a thread of its own.
+async def _put_prepared(
+    store: KVStore,
+    keys: Sequence[ChunkKey],
+    kvs: Sequence[torch.Tensor],
+    parents: Sequence[ChunkKey | None] | None,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    ready: Completion | None,
+) -> list[bool]:
+    """Each chunk prepared and put in turn, on the loop (see :meth:`SyncKVStore.put_many_future`)."""
+    if len(keys) != len(kvs):
+        raise ValueError(f"put_many: {len(keys)} keys but {len(kvs)} chunks")
+    chain = parents if parents is not None else [None] * len(keys)
+    if len(chain) != len(keys):
+        raise ValueError(f"put_many: {len(keys)} keys but {len(chain)} parents")
+    return [
+        await store.put(key, prepare(kv), parent=parent, ready=ready)
+        for key, kv, parent in zip(keys, kvs, chain, strict=True)
+    ]
 
-    ``call_soon_threadsafe`` wakes the loop with a write to its self-pipe: a system call that
-    releases the GIL, which the calling thread then waits to get back while the woken loop
-    thread runs (measured 1.1-1.4 ms per call on this 2-core VM, up to the 5 ms switch interval).
-    A layer stream that runs ``depth`` layers ahead waits for the engine's next request on every
-    layer, so the engine thread paid that once per layer: most of the fetch time a stream left
-    visible. Here the engine thread only appends to a list and notifies a condition (no system
-    call that drops the GIL); this thread pays for the wake-up while the engine computes.
-    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._ready = threading.Condition(threading.Lock())
-        self._calls: list[tuple[Callable[[int], None], int]] = []
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="kvstore-waker", daemon=True)
-        self._thread.start()
-
-    def post(self, fn: Callable[[int], None], arg: int) -> None:
-        """Have ``fn(arg)`` called on the loop soon (non-blocking; dropped once the loop is closed)."""
-        with self._ready:
-            self._calls.append((fn, arg))
-            self._ready.notify()
-
-    def stop(self) -> None:
-        """End the thread (blocking, briefly); calls not yet posted are dropped."""
-        with self._ready:
-            self._stopped = True
-            self._ready.notify()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._calls and not self._stopped:
-                    self._ready.wait()
-                if self._stopped:
-                    return
-                calls, self._calls = self._calls, []
-            for fn, arg in calls:
-                try:
-                    self._loop.call_soon_threadsafe(fn, arg)
-                except RuntimeError:  # the loop closed: its streams were closed first, every layer arrived
-                    return
+async def _then(call: Coroutine[Any, Any, Any], then: Callable[[Any], T]) -> T:
+    """``then`` of what ``call`` returned, on the loop."""
+    return then(await call)
 
 
 class SyncLayerStream:
-    """A :class:`~kvstore.engine.prefetch.LayerStream` driven from an engine thread; close it when done."""
+    """A :class:`~kvstore.engine.streams.LayerStream` driven from an engine thread; close it when done."""
 
     def __init__(self, owner: SyncKVStore, stream: LayerStream) -> None:
         self._owner, self._stream = owner, stream
@@ -376,7 +409,7 @@ class SyncLayerStream:
             else:
                 callback(None)
 
-        self._owner.submit(notify())
+        self._owner._submit(notify())
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
         """Every layer in order; with a ring of outputs, each is released when the next is asked for."""
@@ -392,7 +425,7 @@ class SyncLayerStream:
         they may still be written. A no-op once the store is closed (closing the store closed its streams).
         """
         try:
-            limit = self._owner.store.config.timeouts.close + 5  # the stream bounds itself; the margin is the hop's
+            limit = self._owner._settle_s + 5  # the stream bounds itself; the margin is the hop's
             self._owner._call(self._stream.close(), timeout=limit)
         except StoreClosedError:
             return
@@ -406,8 +439,3 @@ class SyncLayerStream:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-async def _on_loop(fn: Callable[[], T]) -> T:
-    """Run a plain callable on the loop thread (where the store's state and running loop live)."""
-    return fn()

@@ -2,13 +2,13 @@
 
 The lookup path only appends the keys to a list (~0.2 us). They are processed in batches of a few
 thousand, right after the lookup that filled a batch returns: hashed, fed to the reuse-time
-sampler (:mod:`kvstore.sizing.mrc`, which also counts sightings for the second-sighting write policy)
+sampler (:mod:`kvstore.sizing.mrc`, which also counts sightings for the second-sighting admission policy)
 and, when asked, appended to a trace file that ``kvstore advise`` reads. Everything here runs on
 the store's event loop; nothing is shared with other threads.
 
 Auto mode sees the store only through :class:`SizingTarget`: what it may read (the advice for the
-traffic so far, the DRAM size) and change (the write policy, the DRAM size). Nothing here imports
-the engine.
+traffic so far, the DRAM size) and change (the write policy, :mod:`kvstore.admission`, by name; the
+DRAM size). Nothing here imports the engine.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from kvstore.admission import POLICIES as ADMISSION_POLICIES
 from kvstore.config import AdaptiveConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, namespace_dir
@@ -129,31 +129,8 @@ class AccessTracker:
             self.trace.close()
 
 
-class HeldBack:
-    """Chunks put into DRAM but not yet below it (second-sighting policy), so a DRAM hit can send them on.
-
-    Bounded: the oldest entries go first; by then their chunk has usually left DRAM anyway.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(16, limit)
-        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
-
-    def add(self, key: ChunkKey) -> None:
-        self._keys[key] = None
-        if len(self._keys) > self.limit:
-            self._keys.popitem(last=False)
-
-    def take(self, key: ChunkKey) -> bool:
-        """True (once) if ``key`` was held back."""
-        return self._keys.pop(key, False) is None
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
 class AdaptiveCounters:
-    """What auto mode and the write policy did, for ``stats()["adaptive"]`` and Prometheus."""
+    """What auto mode did, for ``stats()["adaptive"]`` and Prometheus (the admission policy counts its own)."""
 
     def __init__(self) -> None:
         self.decisions = 0
@@ -161,20 +138,19 @@ class AdaptiveCounters:
         self.grown = 0
         self.shrunk = 0
         self.policy_switches = 0
-        self.held_back = 0  # chunks kept out of the lower tiers by the second-sighting policy
-        self.released = 0  # of which, sent on later (a second sighting hit them in DRAM)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
 
 def make_tracker(settings: AdaptiveConfig, layout: KVLayout, namespace: str, dram_bytes: int) -> AccessTracker | None:
-    """A store's tracker, if anything needs one (advice, auto mode, a policy, a trace); else None.
+    """A store's tracker, if anything needs one (advice, auto mode, a policy's sightings, a trace); else None.
 
     A trace file records the store's layout, namespace and DRAM size, for ``kvstore advise`` to
     size chunks by. A trace path that cannot be created raises :class:`ConfigError` naming it.
     """
-    wanted = settings.track or settings.auto or settings.policy != "write-through" or settings.trace is not None
+    sightings = ADMISSION_POLICIES[settings.policy].uses_sightings
+    wanted = settings.track or settings.auto or sightings or settings.trace is not None
     if not wanted:
         return None
     try:

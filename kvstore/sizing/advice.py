@@ -10,7 +10,7 @@ them), so a tier's cumulative hit rate is the curve at the larger of its size an
 tiers' sizes. Remote tiers (Redis, S3) are taken as unbounded: their size is set by retention
 (``kvstore gc``, TTL), not by a budget.
 
-Write policies:
+Write (admission) policies, :mod:`kvstore.admission`, modelled here by name:
 - ``write-through``: every chunk put goes to every tier.
 - ``second-sighting``: a chunk goes below DRAM only once its prefix has been looked up before,
   so one-off prompts cost a DRAM copy and nothing else. It gives up the lower-tier hits that
@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, get_args
 
 import numpy as np
 
+from kvstore.admission import AdmissionName
 from kvstore.sizing.mrc import ReuseProfile
 from kvstore.util.units import human_bytes
 
-Policy = Literal["write-through", "second-sighting"]
-POLICIES: tuple[Policy, ...] = ("write-through", "second-sighting")
+Policy = AdmissionName  # the admission policies this cost model weighs, by name
+POLICIES: tuple[Policy, ...] = get_args(AdmissionName)
 SIZE_FACTORS = (1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8)  # the sizes advice shows, relative to the current one
 UNBOUNDED = float(1 << 40)  # chunks: "as large as retention lets it grow"
 # Bytes per second until a store has timed its own tiers: this machine kind's baselines (DESIGN.md).

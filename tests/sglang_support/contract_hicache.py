@@ -25,8 +25,8 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore.connectors.sglang import KVStoreHiCacheStorage
-from kvstore.devtools.servers import RedisServer
 from kvstore.errors import ConfigError
+from kvstore.testing.servers import RedisServer
 
 PAGE, LAYERS, HEADS, HEAD_DIM, DEVICE_TOKENS = 4, 3, 2, 8, 64
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -301,7 +301,6 @@ def test_with_events_on_only_the_first_rank_publishes_pages_by_sglangs_hashes(tm
 
     import zmq
 
-    from kvstore.events import NO_EVENTS
     from kvstore.events.wire import decode_batch
 
     with socket.socket() as probe:
@@ -313,10 +312,10 @@ def test_with_events_on_only_the_first_rank_publishes_pages_by_sglangs_hashes(tm
     }  # fmt: skip
     first = backend(tmp_path, host_pool(), extra, tp_rank=0, tp_size=2)
     second = backend(tmp_path / "rank1", host_pool(), extra, tp_rank=1, tp_size=2)  # a second bind would fail
-    assert second.store.store.events is NO_EVENTS
+    assert not second.store.publishes_events
     keys = page_keys(2)
     assert first.batch_set_v1(keys, indices([0, 1])) == [True, True]
-    publisher = first.store.store.events.publisher
+    publisher = first.store._store.events.publisher
     deadline = time.monotonic() + 30  # a bound, not an expectation
     while publisher.batches == 0 and time.monotonic() < deadline:
         time.sleep(0.005)

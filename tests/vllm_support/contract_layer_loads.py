@@ -19,6 +19,7 @@ from kvstore.connectors.paged import PagedLayer
 from kvstore.connectors.vllm.layer_loads import LayerStreamLoads
 from kvstore.connectors.vllm.step_metadata import BlockRun, LoadSpec
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
+from kvstore.connectors.vllm.worker_context import WorkerContext
 from kvstore.storage.container import parse_header
 
 LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.float32)
@@ -39,7 +40,7 @@ def store_on_disk(tmp_path: Path) -> tuple[SyncKVStore, list[str], list[torch.Te
     assert store.put_many(keys, chunks) == [True] * CHUNKS
     store.flush()
     for key in keys:
-        store.store.pool.discard(key)
+        store._store.pool.discard(key)
     return store, keys, chunks
 
 
@@ -49,7 +50,8 @@ def load_all_layers(
     """One load of ``keys`` into ``blocks``, taken layer by layer as the forward pass takes it: the caches,
     the counters, the blocks reported failed. ``device``: where the ring's buffers are asked for."""
     counters: Counter[str] = Counter()
-    loads = LayerStreamLoads(LAYOUT, TensorParallelRanks(), store, LAYOUT.chunk_tokens, BLOCK, 1, 30.0, counters)
+    worker = WorkerContext(LAYOUT, TensorParallelRanks(), store, [], [], counters)
+    loads = LayerStreamLoads(worker, LAYOUT.chunk_tokens, BLOCK, 1, 30.0)
     loads.device = torch.device(device)
     caches = [torch.zeros(16, LAYOUT.num_kv_heads, BLOCK, 2 * LAYOUT.head_dim) for _ in range(LAYOUT.num_layers)]
     loads.start(LoadSpec("req", keys, [BlockRun(0, blocks)], len(blocks) * BLOCK))
@@ -80,7 +82,7 @@ def test_every_layer_lands_in_its_blocks_through_a_ring_of_two(tmp_path):
 def test_a_chunk_corrupt_at_layer_three_is_recomputed_and_the_chunks_before_it_kept(tmp_path):
     """The stream restarts at layer 3 with the sound chunks: its ring lets layers 0-2 through unread."""
     store, keys, chunks = store_on_disk(tmp_path)
-    path = store.store.tiers[0].backend.path_for(keys[2])
+    path = store._store.tiers[0].backend.path_for(keys[2])
     data = bytearray(path.read_bytes())
     header = parse_header(data, LAYOUT, keys[2])
     data[header.header_len + header.segments[3].offset + 7] ^= 0x10

@@ -291,8 +291,8 @@ def test_the_connector_refuses_every_key_it_and_vllm_do_not_define_with_the_clos
 def test_the_schedulers_lookup_only_store_starts_no_metrics_exporter(tmp_path):
     """Where the worker has its own process, the scheduler's store must not take the exporter's port."""
     from kvstore.connectors.vllm._common import read_options, shared_stores
-    from kvstore.devtools.servers import free_port
     from kvstore.layout import KVLayout
+    from kvstore.testing.servers import free_port
 
     port = free_port()
     sections = {"metrics": {"enabled": True, "port": port}, "disk": {"path": str(tmp_path)}}

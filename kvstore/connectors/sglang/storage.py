@@ -52,7 +52,7 @@ import difflib
 import hashlib
 import logging
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -63,9 +63,9 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstore.config import StoreConfig
 from kvstore.connectors.identity import default_namespace
 from kvstore.connectors.sglang.host_pages import HostPages
-from kvstore.engine.sync import SyncKVStore
+from kvstore.engine.sync import LoopCall, SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.events import ChunkEvents, ChunkIdentity
+from kvstore.events import ChunkIdentity
 from kvstore.keys import ChunkKey, chain_parents, namespace_seed
 from kvstore.layout import dtype_name
 
@@ -95,7 +95,6 @@ SGLANG_KEYS = frozenset(
     }
 )
 _KEY_TAG = b"kvstore-sglang-page-v1\x00"
-STOP_MARGIN_S = 5.0  # beyond kvstore's own deadline, for the hop to its loop thread
 
 
 def read_options(extra: Mapping[str, Any]) -> tuple[StoreConfig, str | None]:
@@ -185,7 +184,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             namespace,
             pages.host_layout,
             pages.layout.describe(),
-            ", ".join(["dram", *(tier.name for tier in self.store.store.tiers)]),
+            ", ".join(self.store.tier_names),
             "writer" if self.is_writer else "reader (MLA: rank 0 writes)",
         )
 
@@ -200,7 +199,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         store = self._open_store()
         if not keys:
             return 0
-        found = self._bounded(store, store.store.lookup([self.chunk_key(key) for key in keys]), "lookup")
+        found = self._bounded(store, lambda: store.lookup_future([self.chunk_key(key) for key in keys]), "lookup")
         return found or 0
 
     def batch_get_v1(
@@ -214,7 +213,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         store, pages = self._open_store(), self._host_pages()
         outs = pages.chunks(host_indices, len(keys))
         start = time.perf_counter()
-        chunks = self._bounded(store, store.store.get_many([self.chunk_key(key) for key in keys], outs), "get")
+        chunks = self._bounded(store, lambda: store.get_many_future([self.chunk_key(key) for key in keys], outs), "get")
         read = [chunk is not None for chunk in chunks] if chunks is not None else [False] * len(keys)
         self._record(self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth, sum(read), start)
         return read
@@ -233,42 +232,40 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return [True] * len(keys)
         start = time.perf_counter()
         chunk_keys = [self.chunk_key(key) for key in keys]
-        held = self._bounded(store, store.store.lookup(chunk_keys), "lookup") or 0
+        held = self._bounded(store, lambda: store.lookup_future(chunk_keys), "lookup") or 0
         taken: list[bool] | None = []
         if held < len(keys):
             self._name_pages(store, keys, chunk_keys, held)
             prefix = extra_info.prefix_keys if extra_info is not None else None  # the pages before keys[0]
             before = chunk_keys[held - 1] if held else (self.chunk_key(prefix[-1]) if prefix else None)
             parents = chain_parents(chunk_keys[held:], before)
-            taken = self._bounded(store, store.store.put_many(chunk_keys[held:], views[held:], parents=parents), "put")
+            taken = self._bounded(
+                store, lambda: store.put_many_future(chunk_keys[held:], views[held:], parents=parents), "put"
+            )
         stored = [True] * held + (taken if taken is not None else [False] * (len(keys) - held))
         self._record(self._metrics.backup_pgs, self._metrics.backup_bandwidth, sum(stored) - held, start)
         return stored
 
     def _name_pages(self, store: SyncKVStore, keys: list[str], chunk_keys: list[ChunkKey], start: int) -> None:
         """With KV events on, pages from ``start`` on are advertised by SGLang's own page hashes (32 bytes)."""
-        events = store.store.events
-        if not isinstance(events, ChunkEvents):
+        if not store.publishes_events:
             return
+        names: dict[ChunkKey, ChunkIdentity] = {}
         for i in range(start, len(keys)):
             try:
                 name, parent = bytes.fromhex(keys[i]), bytes.fromhex(keys[i - 1]) if i else None
             except ValueError:  # not a SHA-256 hex page hash: the chunk is named by its kvstore key
                 continue
-            events.attribute(chunk_keys[i], ChunkIdentity(name, parent, ()))
+            names[chunk_keys[i]] = ChunkIdentity(name, parent, ())
+        store.name_chunks(names)
 
-    def _bounded(self, store: SyncKVStore, work: Coroutine[Any, Any, T], what: str) -> T | None:
-        """``work`` on the store's loop, at most ``timeouts.get`` (plus a margin) long; None if it failed or was
-        late (then it is stopped first: a late read writes nothing into the host pool afterwards)."""
-        limit = self.config.timeouts.get + STOP_MARGIN_S
+    def _bounded(self, store: SyncKVStore, start: Callable[[], LoopCall[T]], what: str) -> T | None:
+        """The call ``start()`` makes, waited for as the store bounds it (``SyncKVStore.call_within``); None if it
+        failed, did not start (a closed store) or was late (then stopped first: a late read writes nothing into
+        the host pool afterwards)."""
         try:
-            call = store.submit(work)  # StoreClosedError once the store is closed
-            try:
-                return call.result(timeout=limit)
-            except TimeoutError:
-                call.cancel()
-                log.warning("kvstore %s did not end within %.1fs; treated as a miss", what, limit)
-        except KVStoreError as exc:
+            return store.call_within(start(), what)
+        except KVStoreError as exc:  # StoreClosedError once the store is closed
             log.warning("kvstore %s failed (%s); treated as a miss", what, exc)
         return None
 

@@ -259,7 +259,7 @@ class _SharedStores:
                     "kvstore for %s opened: %s; tiers: %s",
                     options.namespace,
                     layout.describe(),
-                    ", ".join(["dram", *(tier.name for tier in store.store.tiers)]),
+                    ", ".join(store.tier_names),
                 )
             self._stores[ident] = (store, users + 1)
             return store

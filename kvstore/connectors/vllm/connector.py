@@ -69,10 +69,10 @@ from kvstore.connectors.vllm.stats import KVStorePromMetrics, StatsReport
 from kvstore.connectors.vllm.step_metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
 from kvstore.connectors.vllm.whole_loads import WholeChunkLoads
+from kvstore.connectors.vllm.worker_context import WorkerContext
 from kvstore.engine.planner import PrefillClock
 from kvstore.engine.sync import SyncKVStore
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.events import ChunkEvents
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -160,7 +160,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             chunk_tokens=self.chunk_tokens,
             hybrid=self.hybrid,
             saved_limit=max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes),
-            prefill_clock=PrefillClock(self.store.store.planner if timed else None, self.chunk_tokens),
+            prefill_clock=self.store.prefill_clock(self.chunk_tokens, timed)
+            if self.store is not None
+            else PrefillClock(None, self.chunk_tokens),
             identity=self.identity(),
             counters=self.counters,
             hash_block_size=self._hash_block_size(kv_cache_config) if options.config.events.enabled else None,
@@ -172,16 +174,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layers: list[PagedLayer] = []
         self._layer_index: dict[str, int] = {}
         # How long a layer may take to come: every tier's get, and some (the reading rank's streams only).
-        tiers = len(self.store.store.tiers) if self.store is not None else 0
-        wait_timeout = (tiers + 2) * options.config.timeouts.get
+        wait_timeout = self.store.layer_wait_timeout if self.store is not None else 2 * options.config.timeouts.get
+        worker = WorkerContext(self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters)
         self._layer_loads = LayerStreamLoads(
-            self.layout, self.ranks, self.store, self.chunk_tokens, self.block_size, options.prefetch_depth,
-            wait_timeout, self.counters,
-        )  # fmt: skip
-        self._whole_loads = WholeChunkLoads(
-            self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters
+            worker, self.chunk_tokens, self.block_size, options.prefetch_depth, wait_timeout
         )
-        self._saves = ChunkSaves(self.layout, self.ranks, self.store, self._layers, self._layer_groups, self.counters)
+        self._whole_loads = WholeChunkLoads(worker)
+        self._saves = ChunkSaves(worker)
         self._report = StatsReport()  # what vLLM's /metrics shows (stats.py)
 
     # -- scheduler side ----------------------------------------------------------------------
@@ -259,10 +258,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._identity_checked = True
             log.info("kvstore: worker rank %d keys chunks as the scheduler does: %s", self.ranks.rank, meta.identity)
         if meta.chunk_identities and self.store is not None:
-            events = self.store.store.events
-            if isinstance(events, ChunkEvents):
-                for key, chunk_identity in meta.chunk_identities.items():
-                    events.attribute(key, chunk_identity)
+            self.store.name_chunks(meta.chunk_identities)
         for spec in meta.loads:
             if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
                 self._whole_loads.start(spec)
@@ -328,7 +324,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """
         if self._role != KVConnectorRole.WORKER or self.store is None:
             return None
-        return self._report.take({"connector": self.counters, **self.store.store.stats()})
+        return self._report.take({"connector": self.counters, **self.store.stats_now()})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadingConnectorStats:

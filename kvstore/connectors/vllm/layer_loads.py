@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.connectors.paged import PagedLayer
 from kvstore.connectors.vllm.step_metadata import BlockRun, LoadSpec
-from kvstore.connectors.vllm.tensor_parallel import LoadStatus, TensorParallelRanks
-from kvstore.engine.sync import SyncKVStore, SyncLayerStream
+from kvstore.connectors.vllm.tensor_parallel import LoadStatus
+from kvstore.connectors.vllm.worker_context import WorkerContext
+from kvstore.engine.sync import SyncLayerStream
 from kvstore.errors import KVStoreError
-from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.connectors.vllm")
 
@@ -54,19 +53,11 @@ class LayerStreamLoads:
     """
 
     def __init__(
-        self,
-        layout: KVLayout,
-        ranks: TensorParallelRanks,
-        store: SyncKVStore | None,
-        chunk_tokens: int,
-        block_size: int,
-        prefetch_depth: int,
-        wait_timeout: float,
-        counters: Counter[str] | dict[str, int],
+        self, worker: WorkerContext, chunk_tokens: int, block_size: int, prefetch_depth: int, wait_timeout: float
     ) -> None:
-        self.layout, self.ranks, self.store = layout, ranks, store
+        self.layout, self.ranks, self.store, self.counters = worker.layout, worker.ranks, worker.store, worker.counters
         self.chunk_tokens, self.block_size = chunk_tokens, block_size
-        self.prefetch_depth, self.wait_timeout, self.counters = prefetch_depth, wait_timeout, counters
+        self.prefetch_depth, self.wait_timeout = prefetch_depth, wait_timeout
         self._loads: list[_ActiveLoad] = []
         self._failed_blocks: set[int] = set()
         # where the streams' ring buffers live: the GPU cache's device with one rank (set when the caches are)

@@ -22,31 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.connectors.paged import PagedLayer
 from kvstore.connectors.vllm.step_metadata import SaveSpec
-from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
-from kvstore.engine.store import KVStore
-from kvstore.engine.sync import SyncKVStore
-from kvstore.engine.transfer import Completion, ready_on_current_stream
+from kvstore.connectors.vllm.worker_context import WorkerContext
 from kvstore.keys import ChunkKey
-from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.connectors.vllm")
 SPARE_CHUNKS = 8  # staging buffers kept between steps (a long prefill step may need more, briefly)
-
-
-async def _put_all(
-    store: KVStore,
-    chunks: list[tuple[ChunkKey, torch.Tensor]],
-    parents: dict[ChunkKey, ChunkKey | None],
-    ready: Completion | None = None,
-) -> list[bool]:
-    """One ``put_many``: chunks on a GPU cross the bus as one batch, after ``ready`` (the engine's stream);
-    each with its parent (``parents``), so that retention removes a prompt's chunks tail first."""
-    keys = [key for key, _ in chunks]
-    return await store.put_many(
-        keys, [chunk for _, chunk in chunks], parents=[parents[key] for key in keys], ready=ready
-    )
 
 
 class ChunkSaves:
@@ -58,17 +39,9 @@ class ChunkSaves:
     updated in place (``saved_chunks``, ``save_rejected``).
     """
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        ranks: TensorParallelRanks,
-        store: SyncKVStore | None,
-        layers: list[PagedLayer],
-        layer_groups: list[int],
-        counters: dict[str, int],
-    ) -> None:
-        self.layout, self.ranks, self.store = layout, ranks, store
-        self._layers, self._layer_groups, self.counters = layers, layer_groups, counters
+    def __init__(self, worker: WorkerContext) -> None:
+        self.layout, self.ranks, self.store = worker.layout, worker.ranks, worker.store
+        self._layers, self._layer_groups, self.counters = worker.layers, worker.layer_groups, worker.counters
         # key -> (block ids of each group, chunk)
         self._staging: dict[ChunkKey, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._spare_chunks: list[torch.Tensor] = []  # staging buffers, reused: fresh ones pay page faults
@@ -113,9 +86,10 @@ class ChunkSaves:
         if chunks:
             try:  # one hop to kvstore's loop for all of them; each put copies into its DRAM tier
                 assert self.store is not None  # chunks to put are on the reading rank only
-                ready = ready_on_current_stream(chunks[0][1].device)  # the gathers queued on this thread's stream
-                parents = {spec.key: spec.parent for spec in saves}
-                saved = self.store.submit(_put_all(self.store.store, chunks, parents, ready)).result()
+                parents = {spec.key: spec.parent for spec in saves}  # retention removes a prompt's tail first
+                keys = [key for key, _ in chunks]
+                # chunks on a GPU cross the bus as one batch, after the gathers queued on this thread's stream
+                saved = self.store.put_many(keys, [chunk for _, chunk in chunks], parents=[parents[k] for k in keys])
             except Exception as exc:  # a save is best effort: a missed one is a future cache miss
                 log.warning("kvstore: saving %d chunks failed: %r", len(chunks), exc)
                 saved = [False] * len(chunks)

@@ -34,7 +34,7 @@ from kvstore.connectors.attention_groups import AttentionGroup, loaded_blocks, s
 from kvstore.connectors.vllm.chunk_identity import chunk_identity
 from kvstore.connectors.vllm.engine_config import request_extra
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner, PrefillClock
+from kvstore.engine.planner import DRAM, LoadPlan, PrefillClock
 from kvstore.engine.sync import SyncKVStore
 from kvstore.events import ChunkIdentity
 from kvstore.keys import ChunkKey
@@ -134,7 +134,7 @@ class ConnectorScheduler:
             return None, False  # vLLM asks again next step; the scheduler never waits on I/O
         # Only what vLLM lacks is loaded: the plan weighs the held chunks from its first missing one.
         start, held = num_computed_tokens // self.chunk_tokens, min(plan.held, usable)
-        load = start + self._planner().plan(plan.tiers[start:held]).load if held > start else 0
+        load = start + self._held_store().plan_tiers(plan.tiers[start:held]).load if held > start else 0
         if not state.decided:
             state.decided = True
             self.counters["recomputed_chunks"] += max(0, held - max(load, start))
@@ -152,19 +152,19 @@ class ConnectorScheduler:
         recent = 0
         while recent < len(keys) and keys[recent] in self._saved:
             recent += 1
-        planner = self._planner()
+        store = self._held_store()
         total: concurrent.futures.Future[LoadPlan] = concurrent.futures.Future()
         if recent == len(keys):
-            total.set_result(planner.plan([DRAM] * recent))
+            total.set_result(store.plan_tiers([DRAM] * recent))
             return total
 
         def add_recent(rest: concurrent.futures.Future[LoadPlan]) -> None:
             if rest.exception() is not None:
                 total.set_exception(rest.exception())  # type: ignore[arg-type]
             else:  # the tiers matter (get_num_new_matched_tokens plans what vLLM lacks), not this load
-                total.set_result(planner.plan([DRAM] * recent + list(rest.result().tiers)))
+                total.set_result(store.plan_tiers([DRAM] * recent + list(rest.result().tiers)))
 
-        self._held_store().plan_future(keys[recent:]).add_done_callback(add_recent)
+        store.plan_future(keys[recent:]).add_done_callback(add_recent)
         return total
 
     def _found(self, state: RequestState) -> LoadPlan | None:
@@ -178,9 +178,6 @@ class ConnectorScheduler:
                 state.plan = LoadPlan((), 0, 0.0, 0.0)
             state.next_save = max(state.next_save, state.plan.held)  # held chunks are not saved again
         return state.plan
-
-    def _planner(self) -> LoadPlanner:
-        return self._held_store().store.planner
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)

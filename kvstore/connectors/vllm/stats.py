@@ -5,8 +5,10 @@ secondary tier's ``get_stats`` in the scheduler), carries them to the process se
 sums them over workers and hands them to Prometheus metrics the connector (or the tier) declared.
 Both kvstore integrations send the same payload: vLLM's own ``OffloadingConnectorStats`` (counters
 as increments since the last report, gauges as the latest value, labelled by tier), so one
-table here (:data:`METRICS`) names every metric, and vLLM's offloading code, or
-:class:`KVStorePromMetrics` for the connector, registers them.
+mapping here (:data:`METRICS`) names every metric, and vLLM's offloading code, or
+:class:`KVStorePromMetrics` for the connector, registers them. What the store's figures mean is
+kvstore's own metrics table (:mod:`kvstore.engine.metrics`), read here: only their names on this
+page, and the connector's own counters, are written in this module.
 
 The names start ``vllm:kvstore_`` beside vLLM's ``vllm:kv_offload_*``; kvstore's own exporter
 (``metrics.enabled``) keeps its ``kvstore_*`` names on its own port.
@@ -21,6 +23,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
+
+from kvstore.engine.metrics import COUNTERS, GAUGES
 
 Stats = Mapping[str, Any]  # KVStore.stats(), plus the connector's counters under "connector"
 
@@ -59,15 +63,30 @@ def _healthy(tier: Stats) -> float | None:
     return None if not isinstance(breaker, Mapping) else float(breaker.get("state") == "closed")
 
 
+def _meaning(text: str) -> str:
+    """vLLM's help text for one of kvstore's own metrics: the meaning kvstore's table gives it."""
+    return f"kvstore: {text}."
+
+
+# The store's figures vLLM's page shows. What each means is written once, in kvstore's own metrics table
+# (kvstore.engine.metrics: COUNTERS, GAUGES, what kvstore's exporter serves); here only the names vLLM's
+# page gives them. The store's counters: vLLM name -> stats()["store"] key.
+STORE_COUNTERS = {
+    "vllm:kvstore_chunks_put": "puts",
+    "vllm:kvstore_chunk_hits": "hits",
+    "vllm:kvstore_chunk_misses": "misses",
+    "vllm:kvstore_chunks_streamed": "streamed",
+}
+DRAM_GAUGES = ("chunks", "capacity_bytes")  # stats()["dram"] keys, as vllm:kvstore_dram_<key> (kvstore's names)
+TIER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "timeouts", "corrupt")  # per tier
+# (stats()[tier] keys; named as on kvstore's exporter, with the vllm: prefix)
+
 METRICS: dict[str, Metric] = {
-    "vllm:kvstore_chunks_put": Metric("counter", "Chunks put into kvstore's DRAM tier.", _path("store", "puts")),
-    "vllm:kvstore_chunk_hits": Metric("counter", "Chunks kvstore found when asked for them.", _path("store", "hits")),
-    "vllm:kvstore_chunk_misses": Metric(
-        "counter", "Chunks kvstore was asked for and did not hold.", _path("store", "misses")
-    ),
-    "vllm:kvstore_chunks_streamed": Metric(
-        "counter", "Chunks kvstore loaded layer by layer (layer streams).", _path("store", "streamed")
-    ),
+    **{
+        name: Metric("counter", _meaning(COUNTERS["store", key][1]), _path("store", key))
+        for name, key in STORE_COUNTERS.items()
+    },
+    # the connector's own counters, and the tiers' health and size: only on vLLM's page
     "vllm:kvstore_connector_loaded_chunks": Metric(
         "counter", "Chunks the kvstore connector loaded into vLLM's KV blocks.", _path("connector", "loaded_chunks")
     ),
@@ -79,29 +98,14 @@ METRICS: dict[str, Metric] = {
     "vllm:kvstore_connector_saved_chunks": Metric(
         "counter", "Chunks the kvstore connector saved from vLLM's KV blocks.", _path("connector", "saved_chunks")
     ),
-    "vllm:kvstore_dram_chunks": Metric("gauge", "Chunks held in kvstore's DRAM tier.", _path("dram", "chunks")),
-    "vllm:kvstore_dram_capacity_bytes": Metric(
-        "gauge", "Bytes of kvstore's DRAM tier.", _path("dram", "capacity_bytes")
-    ),
-    "vllm:kvstore_tier_hits": Metric("counter", "Chunks a kvstore tier below DRAM found.", read_tier=_path("hits")),
-    "vllm:kvstore_tier_misses": Metric(
-        "counter", "Chunks a kvstore tier below DRAM did not hold.", read_tier=_path("misses")
-    ),
-    "vllm:kvstore_tier_read_bytes": Metric(
-        "counter", "Bytes read from a kvstore tier below DRAM.", read_tier=_path("bytes_read")
-    ),
-    "vllm:kvstore_tier_written_bytes": Metric(
-        "counter", "Bytes written to a kvstore tier below DRAM.", read_tier=_path("bytes_written")
-    ),
-    "vllm:kvstore_tier_errors": Metric(
-        "counter", "Failed calls to a kvstore tier below DRAM (timeouts counted apart).", read_tier=_path("errors")
-    ),
-    "vllm:kvstore_tier_timeouts": Metric(
-        "counter", "Calls to a kvstore tier below DRAM that ran out of time.", read_tier=_path("timeouts")
-    ),
-    "vllm:kvstore_tier_corrupt": Metric(
-        "counter", "Objects a kvstore tier held that failed their checksums (each a miss).", read_tier=_path("corrupt")
-    ),
+    **{
+        f"vllm:kvstore_dram_{key}": Metric("gauge", _meaning(GAUGES[f"kvstore_dram_{key}"][0]), _path("dram", key))
+        for key in DRAM_GAUGES
+    },
+    **{
+        f"vllm:{COUNTERS['tier', key][0]}": Metric("counter", _meaning(COUNTERS["tier", key][1]), read_tier=_path(key))
+        for key in TIER_COUNTERS
+    },
     "vllm:kvstore_tier_up": Metric(
         "gauge", "1 while a kvstore tier below DRAM is in use, 0 while its breaker keeps it off.", read_tier=_healthy
     ),

@@ -29,7 +29,7 @@ import hashlib
 import inspect
 import logging
 import threading
-from collections.abc import Collection, Coroutine, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -361,17 +361,37 @@ class KVStoreTier(SecondaryTierManager):
             if key not in self._present  # already in kvstore: nothing to write
         ]
         self._job_keys[job_metadata.job_id] = (False, [key for key, _ in pairs])
-        self._submit(job_metadata.job_id, self._store(job_metadata.job_id, pairs))
+        # Each row is reordered to TP-1 on kvstore's loop, one chunk at a time, not on the scheduler's thread
+        # (vLLM keeps a row unchanged until its cascade job is reported).
+        self._submit(
+            job_metadata.job_id,
+            lambda: self.store.put_many_future(
+                [self.chunk_key(key) for key, _ in pairs],
+                [row for _, row in pairs],
+                prepare=lambda row: self._as_chunk(self.row_order.to_tp1(row)),
+                then=lambda accepted: self._stored(job_metadata.job_id, accepted),
+            ),
+        )
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         rows = [self._row(chunk_id) for chunk_id in job_metadata.chunk_ids]
         self._job_keys[job_metadata.job_id] = (True, keys)
-        self._submit(job_metadata.job_id, self._load(job_metadata.job_id, keys, rows))
+        # A row in TP-1 order is read into in place; a rank-major one through a TP-1 buffer that is then
+        # split into the ranks' slots (on kvstore's loop, as the reads end).
+        tp1 = [row if self.row_order.rank_slots == 1 else torch.empty_like(row) for row in rows]
+        self._submit(
+            job_metadata.job_id,
+            lambda: self.store.get_many_future(
+                [self.chunk_key(key) for key in keys],
+                list(map(self._as_chunk, tp1)),
+                then=lambda results: self._loaded(job_metadata.job_id, keys, rows, tp1, results),
+            ),
+        )
 
-    def _submit(self, job_id: int, work: Coroutine[Any, Any, JobResult]) -> None:
+    def _submit(self, job_id: int, start: Callable[[], concurrent.futures.Future[JobResult]]) -> None:
         try:
-            future = self.store.submit(work)
+            future = start()
         except Exception as exc:  # the store is closed: the job fails, the scheduler goes on
             log.warning("KVStoreTier job %d not started: %r", job_id, exc)
             self._finished.append(JobResult(job_id, success=False))
@@ -380,27 +400,23 @@ class KVStoreTier(SecondaryTierManager):
             self._jobs[job_id] = future
         future.add_done_callback(lambda done: self._job_done(job_id, done))
 
-    async def _store(self, job_id: int, pairs: list[tuple[OffloadKey, torch.Tensor]]) -> JobResult:
-        """Copy each primary row into kvstore in TP-1 order (its DRAM; its tiers follow in the background).
+    def _stored(self, job_id: int, accepted: list[bool]) -> JobResult:
+        """A store job's puts ended (on kvstore's loop): each accepted row is in its DRAM, its tiers follow."""
+        taken = sum(accepted)
+        self.counters["stored_chunks"] += taken
+        self.counters["store_rejected"] += len(accepted) - taken
+        return JobResult(job_id, success=taken == len(accepted), transfer_bytes=taken * self.layout.chunk_nbytes)
 
-        On kvstore's loop, not the scheduler's thread: a rank-major row is reordered here, one
-        chunk at a time (vLLM keeps a row unchanged until its cascade job is reported).
-        """
-        accepted = 0
-        for key, row in pairs:
-            accepted += await self.store.store.put(self.chunk_key(key), self._as_chunk(self.row_order.to_tp1(row)))
-        self.counters["stored_chunks"] += accepted
-        self.counters["store_rejected"] += len(pairs) - accepted
-        return JobResult(job_id, success=accepted == len(pairs), transfer_bytes=accepted * self.layout.chunk_nbytes)
-
-    async def _load(self, job_id: int, keys: list[OffloadKey], rows: list[torch.Tensor]) -> JobResult:
-        """Read each chunk into its primary row; a miss of any kind fails that key only.
-
-        A row in TP-1 order is read into in place; a rank-major one through a TP-1 buffer that
-        is then split into the ranks' slots.
-        """
-        tp1 = [row if self.row_order.rank_slots == 1 else torch.empty_like(row) for row in rows]
-        results = await self.store.store.get_many([self.chunk_key(key) for key in keys], list(map(self._as_chunk, tp1)))
+    def _loaded(
+        self,
+        job_id: int,
+        keys: list[OffloadKey],
+        rows: list[torch.Tensor],
+        tp1: list[torch.Tensor],
+        results: list[torch.Tensor | None],
+    ) -> JobResult:
+        """A load job's reads ended (on kvstore's loop): each chunk read goes into its row; a miss of any kind
+        (absent, corrupt, late) fails that key only."""
         for chunk, row, result in zip(tp1, rows, results, strict=True):
             if result is not None:
                 self.row_order.from_tp1(chunk, row)
@@ -474,7 +490,7 @@ class KVStoreTier(SecondaryTierManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """What the store counted since the last call (vLLM's offloading code reports it on /metrics)."""
-        return None if self.store is None else self._report.take(self.store.store.stats())
+        return None if self.store is None else self._report.take(self.store.stats_now())
 
     def shutdown(self) -> None:
         self.drain_jobs()

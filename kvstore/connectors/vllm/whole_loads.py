@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.connectors.paged import PagedLayer
 from kvstore.connectors.vllm.step_metadata import BlockRun, LoadSpec
-from kvstore.connectors.vllm.tensor_parallel import TensorParallelRanks
-from kvstore.engine.sync import SyncKVStore
-from kvstore.layout import KVLayout
+from kvstore.connectors.vllm.worker_context import WorkerContext
 
 log = logging.getLogger("kvstore.connectors.vllm")
 PENDING, LOADED, FAILED = 0, 1, 2
@@ -54,17 +50,9 @@ class WholeChunkLoads:
     tensor parallelism both are called on every rank in the same order (the step's metadata).
     """
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        ranks: TensorParallelRanks,
-        store: SyncKVStore | None,
-        layers: list[PagedLayer],
-        layer_groups: list[int],
-        counters: Counter[str] | dict[str, int],
-    ) -> None:
-        self.layout, self.ranks, self.store, self.counters = layout, ranks, store, counters
-        self._layers, self._layer_groups = layers, layer_groups  # filled by the connector's register_kv_caches
+    def __init__(self, worker: WorkerContext) -> None:
+        self.layout, self.ranks, self.store, self.counters = worker.layout, worker.ranks, worker.store, worker.counters
+        self._layers, self._layer_groups = worker.layers, worker.layer_groups  # filled by register_kv_caches
         self._loads: list[_WholeLoad] = []
 
     def start(self, spec: LoadSpec) -> None:
@@ -78,7 +66,7 @@ class WholeChunkLoads:
         try:
             with torch.inference_mode(False):  # vLLM's step runs in inference mode; kvstore's loop writes into it
                 load.staging = torch.empty((len(keys), *self.layout.chunk_shape), dtype=self.layout.dtype)
-            load.future = self.store.submit(self.store.store.get_many(keys, list(load.staging)))
+            load.future = self.store.get_many_future(keys, list(load.staging))
         except Exception as exc:  # noqa: BLE001 - a closed store, no memory: the load fails at the next poll
             load.error = f"the reads did not start: {exc!r}"
 
