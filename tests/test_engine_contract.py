@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore, chain_parents, chunk_keys
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
+from kvstore.errors import StoreClosedError
 from kvstore.events import ChunkIdentity
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvstore"
@@ -92,6 +95,39 @@ def test_futures_prepare_and_finish_on_the_loop(tmp_path: Path) -> None:
         assert store.lookup_future(keys).result(timeout=60) == 3
         with pytest.raises(ValueError, match="3 keys but 2 chunks"):
             store.put_many_future(keys, raw[:2], prepare=lambda kv: kv).result(timeout=60)
+
+
+def test_a_blocking_call_from_the_loop_thread_raises_instead_of_hanging(tmp_path: Path) -> None:
+    """A ``then=`` callback runs on the store's loop: a blocking call made there would wait on itself."""
+    with SyncKVStore(_config(tmp_path), LAYOUT, "contract") as store:
+
+        def then(_: list[object]) -> list[str]:
+            refused = []
+            for call in (lambda: store.put_many([], []), lambda: store.lookup([]), lambda: store.get_many([])):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+            return refused
+
+        refused = store.get_many_future([], [], then=then).result(timeout=60)
+        assert len(refused) == 3 and all("its own event-loop thread" in text for text in refused)
+
+
+def test_a_call_on_a_closed_store_raises_and_leaves_no_coroutine_behind(tmp_path: Path) -> None:
+    store = SyncKVStore(_config(tmp_path), LAYOUT, "contract")
+    store.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited warns when it is collected
+        calls = (
+            lambda: store.get_many_future([], [], then=len),
+            lambda: store.put_many_future([], [], then=len),
+            lambda: store.lookup_future([]),
+        )
+        for call in calls:
+            with pytest.raises(StoreClosedError):
+                call()
+        gc.collect()
 
 
 def test_call_within_stops_a_late_call_and_treats_it_as_a_miss(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ NS_TIER_STATE = ("namespace", "tier", "state")
 # vLLM's /metrics (kvstore.connectors.vllm.stats) shows some of the same figures under its own names and
 # takes their meaning from here.
 COUNTERS = {
-    ("store", "puts"): ("kvstore_puts", "put() calls"),
+    ("store", "puts"): ("kvstore_puts", "chunks put (duplicates included)"),
     ("store", "put_rejected"): ("kvstore_put_rejected", "puts refused: every DRAM slot was held by a transfer"),
     ("store", "put_duplicate"): ("kvstore_put_duplicate", "puts of a chunk DRAM already held"),
     ("store", "gets"): ("kvstore_gets", "chunks asked of get()/get_many()"),

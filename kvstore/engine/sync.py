@@ -148,12 +148,7 @@ class SyncKVStore:
         parents: Sequence[ChunkKey | None] | None = None,
     ) -> list[bool]:
         """``KVStore.put_many`` (one hop to the loop for all of them); device tensors as in :meth:`put`."""
-        call = self.put_many_future(keys, kvs, parents=parents)
-        try:
-            return call.result()
-        except BaseException:
-            call.cancel()
-            raise
+        return self._call(self._puts(keys, kvs, parents, None, None))
 
     def put_many_future(
         self,
@@ -169,16 +164,30 @@ class SyncKVStore:
         Device tensors are copied once the work queued so far on this thread's current stream is done.
         ``prepare``: each chunk is ``prepare(kvs[i])``, made on the store's loop one chunk at a time
         just before its copy into DRAM (a caller's reordering, off its own thread and needing memory
-        for one chunk, not all). ``then``: called on the store's loop with what ``put_many`` returned,
-        before the future resolves to its result.
+        for one chunk, not all); the chunks are then put one by one, as by :meth:`put` (a chunk that
+        fails its checks fails the call, the ones before it stay put). ``then``: called on the store's
+        loop with the list of what each put returned, before the future resolves to its result.
         """
+        return self._submit(self._puts(keys, kvs, parents, prepare, then))
+
+    def _puts(
+        self,
+        keys: Sequence[ChunkKey],
+        kvs: Sequence[torch.Tensor],
+        parents: Sequence[ChunkKey | None] | None,
+        prepare: Callable[[torch.Tensor], torch.Tensor] | None,
+        then: Callable[[list[bool]], Any] | None,
+    ) -> Coroutine[Any, Any, Any]:
+        """The coroutine of :meth:`put_many_future`; its tensors checked here, on the caller's thread."""
         check_tensors(kvs, "put_many: kvs")  # before their devices are read here
         ready = _ready_for(kvs)
-        if prepare is None:
-            puts = self._store.put_many(keys, kvs, parents=parents, ready=ready)
-        else:
-            puts = _put_prepared(self._store, keys, kvs, parents, prepare, ready)
-        return self._submit(puts if then is None else _then(puts, then))
+
+        def puts() -> Coroutine[Any, Any, list[bool]]:
+            if prepare is None:
+                return self._store.put_many(keys, kvs, parents=parents, ready=ready)
+            return _put_prepared(self._store, keys, kvs, parents, prepare, ready)
+
+        return puts() if then is None else _then(puts, then)
 
     # -- lookups and plans -------------------------------------------------------------------
 
@@ -247,7 +256,7 @@ class SyncKVStore:
         """
         if then is None:
             return self._submit(self._store.get_many(keys, outs))
-        return self._submit(_then(self._store.get_many(keys, outs), then))
+        return self._submit(_then(lambda: self._store.get_many(keys, outs), then))
 
     def call_within(self, call: LoopCall[T], what: str) -> T | None:
         """Wait for ``call`` at most :attr:`call_timeout` (the store's ``timeouts.get`` and the hop); None if it
@@ -343,9 +352,10 @@ async def _put_prepared(
     ]
 
 
-async def _then(call: Coroutine[Any, Any, Any], then: Callable[[Any], T]) -> T:
-    """``then`` of what ``call`` returned, on the loop."""
-    return then(await call)
+async def _then(start: Callable[[], Coroutine[Any, Any, Any]], then: Callable[[Any], T]) -> T:
+    """``then`` of what the call ``start()`` makes returns, on the loop (the call is made only once this runs:
+    one never started leaves no coroutine behind)."""
+    return then(await start())
 
 
 class SyncLayerStream:

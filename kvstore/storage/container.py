@@ -30,6 +30,12 @@ readers that do not know a record skip it, as they skip the padding.
 - *The chunk's parent.* Where the writer knew it (``put(..., parent=)``): ``"KVPA"`` and the 32
   bytes of the key of the chunk before this one in its prefix. ``kvstore gc`` reads it to remove a
   prefix tail first (:mod:`kvstore.storage.links`): a chunk whose parent is gone is never reached.
+
+About 575 lines on purpose: this is the one place the stored format is written and read, and the
+writer (``encode_*``) and the reader that checks every field of it (``parse_header``,
+``verify_*``, ``decode_*``) are kept side by side, so that a change to one is made against the
+other; the encryption and the per-layer reads that use them live beside it (crypto.py,
+chunk_reads.py, layer_reader.py).
 """
 
 from __future__ import annotations

@@ -300,10 +300,10 @@ def test_the_schedulers_lookup_only_store_starts_no_metrics_exporter(tmp_path):
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, chunk_tokens=16)
     lookup = shared_stores.acquire(options, layout, lookup_only=True)
     try:
-        assert lookup.store.metrics_port is None
+        assert lookup.metrics_port is None
         worker = shared_stores.acquire(options, layout)
         try:
-            assert worker.store.metrics_port == port
+            assert worker.metrics_port == port
         finally:
             shared_stores.release(worker)
     finally:
