@@ -73,6 +73,7 @@ def test_the_contract_says_what_the_store_is_and_how_long_a_layer_may_take(tmp_p
     with SyncKVStore(config, LAYOUT, "contract") as store:
         assert store.layout == LAYOUT
         assert store.tier_names == ("dram", "disk")
+        assert store.local_tiers == {"dram", "disk"}  # a load from these alone may run inside a forward pass
         # every tier's header read, and the layer's own read: (1 tier + 2) bounded reads
         assert store.layer_wait_timeout == 3 * config.timeouts.get
         assert store.call_timeout > config.timeouts.get

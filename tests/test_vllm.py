@@ -117,6 +117,7 @@ def test_connector_a_fresh_engine_loads_sound_chunks_and_recomputes_corrupt_ones
     # what was loaded is in the connector's counters
     assert runs["gen"]["cached_tokens"] == REUSABLE_CHUNKS * 256
     assert stats["scheduler"]["hit_tokens"] == 3 * REUSABLE_CHUNKS * 256  # what the lookups promised
+    assert stats["scheduler"]["background_loads"] == 0  # a local disk's chunks stream inside the forward pass
     connector = stats["connector"]
     assert (
         connector["loaded_chunks"] == REUSABLE_CHUNKS + 1 and connector["loaded_tokens"] == (REUSABLE_CHUNKS + 1) * 256
@@ -231,7 +232,8 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
     vllm_python, tiny_llama, tmp_path, redis_server, moto_server
 ):
     """One engine writes the prompt's chunks to Redis and to S3 (moto); a fresh engine with only
-    Redis, then one with only S3, streams them back from that tier: the same tokens."""
+    Redis, then one with only S3, loads them back from that tier in the background (a tier off the
+    machine never holds the forward pass): the same tokens."""
     prefix = f"vllm-{uuid.uuid4().hex[:8]}"
     env = moto_server.credentials_env()
     tiers: dict[str, dict[str, Any]] = {
@@ -250,6 +252,7 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
         assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS, remote
         assert stats[remote]["hits"] == REUSABLE_CHUNKS and stats[remote]["corrupt"] == 0, remote
         assert stats["store"]["streamed_from_dram"] == 0, remote
+        assert stats["scheduler"]["background_loads"] == 1 and stats["store"]["streamed"] == 0, remote
 
 
 def test_importing_the_vllm_integration_without_vllm_says_what_to_install():

@@ -114,6 +114,12 @@ class SyncKVStore:
         return ("dram", *(tier.name for tier in self._store.tiers))
 
     @property
+    def local_tiers(self) -> frozenset[str]:
+        """The tiers read on this machine (``"dram"``, a disk): a load from them alone is fast enough to run inside
+        an engine's forward pass; one that needs another tier (Redis, S3, a remote plugin) is not."""
+        return frozenset(("dram", *(tier.name for tier in self._store.tiers if tier.is_local)))
+
+    @property
     def metrics_port(self) -> int | None:
         """Where the store's Prometheus exporter listens (``metrics.enabled``), else None."""
         return self._store.metrics_port

@@ -148,6 +148,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             "save_rejected": 0,
             "unsaveable_chunks": 0,  # a sliding-window group no longer held a chunk's blocks: not saved
             "recomputed_chunks": 0,  # scheduler: stored chunks the load planner found faster to compute
+            "background_loads": 0,  # scheduler: loads run outside the forward pass (hybrid, or a tier off this machine)
         }
         # The prefill rate, timed from this scheduler's steps: only when a step's scheduling follows
         # the one before it having run (with async scheduling, vLLM's GPU default, the next step is
@@ -260,7 +261,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.chunk_identities and self.store is not None:
             self.store.name_chunks(meta.chunk_identities)
         for spec in meta.loads:
-            if self.hybrid:  # whole prefixes, in the background; reported by get_transfer_results
+            if spec.background:  # whole prefixes, in the background; reported by get_transfer_results
                 self._whole_loads.start(spec)
             else:  # layer by layer, as the forward pass asks for them
                 self._layer_loads.start(spec)
@@ -289,7 +290,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._saves.put(meta.saves)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Whole-prefix (hybrid) loads that are done: copied into their blocks, or failed (vLLM recomputes)."""
+        """Background (whole-prefix) loads that are done: copied into their blocks, or failed (vLLM recomputes)."""
         finished, failed = self._whole_loads.poll()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvstore.connectors.vllm")
+# Background loads in flight at once: each stages its whole prefix in host memory until it is copied into blocks.
+MAX_BACKGROUND_LOADS = 4
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RequestState:
     load: LoadSpec | None = None  # to send to the worker with the next step
     loading: tuple[int, LoadSpec] | None = None  # (first chunk, spec) of the load planned
     load_failed: bool = False  # a whole-prefix load failed: the request is recomputed, not loaded again
+    background: bool = False  # its load runs outside the forward pass (load_async): whole, reported per request
 
 
 class ConnectorScheduler:
@@ -87,7 +90,8 @@ class ConnectorScheduler:
         counters: dict[str, int],
         hash_block_size: int | None = None,
     ) -> None:
-        """``hybrid``: loads are whole-prefix and asynchronous (several groups, or a sliding window).
+        """``hybrid``: every load is whole-prefix and asynchronous (several groups, or a sliding window); else only
+        a load that needs a tier off this machine is (see ``get_num_new_matched_tokens``).
 
         ``saved_limit``: how many keys of chunks sent for saving are remembered (about what the
         worker's DRAM tier holds). ``identity``: the namespace and layout sent to the workers.
@@ -104,6 +108,7 @@ class ConnectorScheduler:
         self._requests: dict[str, RequestState] = {}
         self._unsent_loads: list[LoadSpec] = []  # whole-prefix loads for the next step's metadata
         self._unsent_names: dict[ChunkKey, ChunkIdentity] = {}  # their chunks' names (KV events)
+        self._background: set[str] = set()  # requests whose background load is in flight
         # Chunks this scheduler had the worker put into its DRAM tier, newest last: the worker may
         # be another process, whose DRAM the scheduler's lookups cannot see.
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
@@ -140,8 +145,15 @@ class ConnectorScheduler:
             self.counters["recomputed_chunks"] += max(0, held - max(load, start))
         state.next_save = min(state.next_save, max(load, start))  # what it recomputes is saved again
         matched = load * self.chunk_tokens
-        # Hybrid models load whole prefixes asynchronously (vLLM takes their failures per request).
-        return max(0, matched - num_computed_tokens), self.hybrid and matched > num_computed_tokens
+        if matched <= num_computed_tokens:
+            return 0, False
+        # In the background (vLLM schedules the others meanwhile, and takes a failure per request): a hybrid
+        # model's loads, and a load that needs a tier off this machine, which would hold every request's step.
+        local = self._held_store().local_tiers
+        state.background = self.hybrid or any(tier not in local for tier in plan.tiers[start:load])
+        if state.background and len(self._background) >= MAX_BACKGROUND_LOADS:
+            return None, False  # asked again next step: loads in flight are bounded, and so is their memory
+        return matched - num_computed_tokens, state.background
 
     def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[LoadPlan]:
         """The plan for ``keys``: those just saved to the worker's DRAM, then where the store holds the rest.
@@ -201,9 +213,12 @@ class ConnectorScheduler:
             keys=[] if state.load_failed else state.keys[first_chunk : end // self.chunk_tokens],
             runs=runs,
             tokens=num_external_tokens,
+            background=state.background,
         )
         state.loading = (first_chunk, state.load)
-        if self.hybrid:  # asynchronous: sent with the next step, which does not schedule the request
+        if state.background:  # asynchronous: sent with the next step, which does not schedule the request
+            self._background.add(request.request_id)
+            self.counters["background_loads"] += 1
             self._unsent_loads.append(state.load)
             self._name_chunks(self._unsent_names, state, range(first_chunk, first_chunk + len(state.load.keys)))
             state.load = None
@@ -265,6 +280,7 @@ class ConnectorScheduler:
             state.next_save = max(state.next_save, done)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
+            self._background.discard(req_id)
         meta.scheduler_counters = dict(self.counters)
         meta.identity = self.identity
         return meta
@@ -293,7 +309,8 @@ class ConnectorScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """A load that failed is recomputed by vLLM: its chunks are saved again once they are."""
         failed_requests = getattr(connector_output, "failed_recving", None) or set()
-        for req_id in failed_requests:  # a whole-prefix (hybrid) load: the request is recomputed whole
+        self._background -= (getattr(connector_output, "finished_recving", None) or set()) | failed_requests
+        for req_id in failed_requests:  # a whole-prefix (background) load: the request is recomputed whole
             state = self._requests.get(req_id)
             if state is not None and state.loading is not None:
                 self._recompute_from(state, state.loading[0])
@@ -321,3 +338,4 @@ class ConnectorScheduler:
     def request_finished(self, req_id: str) -> None:
         """vLLM is done with the request: its state goes (saves were copied within their steps)."""
         self._requests.pop(req_id, None)
+        self._background.discard(req_id)

@@ -43,6 +43,7 @@ class LoadSpec:
     keys: list[ChunkKey]
     runs: list[BlockRun]
     tokens: int  # tokens the request gets from the load
+    background: bool = False  # loaded whole, outside the forward pass (whole_loads.py); else layer by layer
 
 
 @dataclass

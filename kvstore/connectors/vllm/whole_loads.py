@@ -1,4 +1,9 @@
-"""Loads of whole chunks in the background, finished or failed per request: how hybrid models load.
+"""Loads of whole chunks in the background, finished or failed per request.
+
+How hybrid models load, and how any model loads a prefix that needs a tier off this machine (Redis,
+S3: the scheduler's choice, :class:`~kvstore.connectors.vllm.scheduler.ConnectorScheduler`): a
+layer-by-layer load of such a prefix inside the forward pass would hold every request in the batch
+for the whole transfer; in the background, vLLM runs the others meanwhile.
 
 With more than one KV cache group (a hybrid model: sliding-window and full-attention layers),
 vLLM cannot take a load failure block by block (a block id names a block of one group only, so
