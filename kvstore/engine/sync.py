@@ -70,6 +70,12 @@ class SyncKVStore:
         self.layer_wait_timeout: float = (len(self._store.tiers) + 2) * timeouts.get
         # A call the caller bounds (call_within): the store's own deadline for it, and the hop.
         self.call_timeout: float = timeouts.get + HOP_MARGIN_S
+        tiers = self._store.tiers  # fixed once the store is open: what depends on them is said once, here
+        # The tiers, fastest first: "dram", then each secondary tier's name ("disk", "redis", ...).
+        self.tier_names: tuple[str, ...] = ("dram", *(tier.name for tier in tiers))
+        # The tiers read on this machine ("dram", a disk): a load from them alone is fast enough to run inside an
+        # engine's forward pass; one that needs another tier (Redis, S3, a remote plugin) is not.
+        self.local_tiers: frozenset[str] = frozenset(("dram", *(tier.name for tier in tiers if tier.is_local)))
 
     @staticmethod
     async def _create(config: StoreConfig, layout: KVLayout, namespace: str, kwargs: dict[str, Any]) -> KVStore:
@@ -107,17 +113,6 @@ class SyncKVStore:
     def layout(self) -> KVLayout:
         """The chunk layout the store was opened with."""
         return self._store.layout
-
-    @property
-    def tier_names(self) -> tuple[str, ...]:
-        """The tiers, fastest first: ``"dram"``, then each secondary tier's name (``"disk"``, ``"redis"``, ...)."""
-        return ("dram", *(tier.name for tier in self._store.tiers))
-
-    @property
-    def local_tiers(self) -> frozenset[str]:
-        """The tiers read on this machine (``"dram"``, a disk): a load from them alone is fast enough to run inside
-        an engine's forward pass; one that needs another tier (Redis, S3, a remote plugin) is not."""
-        return frozenset(("dram", *(tier.name for tier in self._store.tiers if tier.is_local)))
 
     @property
     def metrics_port(self) -> int | None:
