@@ -1,11 +1,16 @@
 """Shared fixtures: the real KV sample, and real servers for the remote tiers (helpers: tests/support.py)."""
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+# Never the user's ~/.local/state (kvstore's planner keeps its measured rates there by default).
+RUN_STATE_HOME = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="kvstore-test-state-")
 
 # The backend conformance suite lives in the package; its assertions should explain themselves too.
 pytest.register_assert_rewrite("kvstore.testing.conformance")
@@ -92,6 +97,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 # ---------------------------------------------------------------------------------------------
 REAL_KV_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "kv_smollm2_512tok_bf16bits.npy"
 REAL_KV_SHAPE = (30, 2, 512, 3, 64)  # [layer, k_or_v, token, kv_head, head_dim] of SmolLM2-135M
+
+
+@pytest.fixture(autouse=True)
+def _planner_state_of_its_own(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's stores (and the engines it starts) keep the planner's measured rates in a directory of
+    their own (``planner.state_dir``'s default follows ``XDG_STATE_HOME``): no test plans with another's rates.
+    Module and session fixtures, set up before it, use the run's own directory (:data:`RUN_STATE_HOME`)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture(scope="session")

@@ -58,3 +58,18 @@ def test_a_benchmark_runs_from_the_root_of_a_clone() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "--configs" in done.stdout
+
+
+def test_the_stall_benchmark_counts_the_gaps_that_overlap_the_loads() -> None:
+    """``benchmarks.stall`` on made-up stamps (no server): a gap counts when it overlaps first sent..last TTFT."""
+    from benchmarks.stall import Load, Run, markdown_table, score
+
+    loads = [Load(sent=10.0, first=12.0), Load(sent=13.0, first=14.5)]  # the loads run from 10 to 14.5
+    # one of the others, first token at 9.0: gaps end at 9.1, 9.2, 11.2 (overlaps), 11.3, 15.3 (overlaps), 15.4
+    bench = {"completed": 1, "start_times": [8.0], "ttfts": [1.0], "itls": [[0.1, 0.1, 2.0, 0.1, 4.0, 0.1]]}
+    run = Run("forward-pass", 0)
+    score(run, loads, bench)
+    assert run.load_ttfts_s == [2.0, 1.5] and run.load_gaps_s == [2.0, 0.1, 4.0] and run.covered
+    assert run.worst_gap_at_s == pytest.approx((1.3, 5.3))  # 11.3 to 15.3, from the first load sent at 10
+    row = markdown_table([run]).splitlines()[2]
+    assert row.startswith("| forward-pass | 1.75 | ") and "| 40.0 | 1.0 |" in row  # 4 s (inside), 0.1 s (outside)

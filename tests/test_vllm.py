@@ -11,8 +11,11 @@ MLA, hybrid models, fp8): tests/test_vllm_shapes.py; the KVStoreTier: tests/test
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,15 @@ from vllm_engines import (
 )
 
 from kvstore import KVLayout, StoreConfig, SyncKVStore
+from kvstore.testing.slow_proxy import SlowProxy
 from tests.vllm_support.prompts import prompt
 
 CODEC = "bytesplit+zstd"
+OVERLAP_TOKENS = 8  # run_engine.py's: the other request's tokens while the prompt's prefix loads
+# What a held proxy lets through per connection: lookups' replies (a few bytes per EXISTS), not a
+# chunk of the tiny Llama (2 layers x K,V x 256 tokens x 2 heads x 32 x fp32 = 256 KiB, ~90% of it
+# after bytesplit+lz4: asserted below from what the writer sent).
+HOLD_ALLOWANCE = 16 << 10
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +242,14 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
 ):
     """One engine writes the prompt's chunks to Redis and to S3 (moto); a fresh engine with only
     Redis, then one with only S3, loads them back from that tier in the background (a tier off the
-    machine never holds the forward pass): the same tokens."""
+    machine never holds the forward pass): the same tokens.
+
+    The Redis engine reaches Redis through a proxy held from the start: lookups' small replies pass,
+    the chunks' bytes wait until the test releases them. Its ``overlap`` step (run_engine.py) has
+    another request decode while the prompt waits for its prefix, and writes ``.ready`` once that
+    request has produced 8 tokens meanwhile (the prompt none); only then does the test release the
+    chunks. No timing: were the load in the forward pass, the other request would produce nothing
+    until the read timed out (30 s) and the prompt would be recomputed, with no ``.ready``."""
     prefix = f"vllm-{uuid.uuid4().hex[:8]}"
     env = moto_server.credentials_env()
     tiers: dict[str, dict[str, Any]] = {
@@ -243,13 +259,41 @@ def test_connector_a_fresh_engine_loads_the_prefix_from_redis_and_from_s3(
     base: dict[str, Any] = {"dram": {"capacity": "64MiB"}, "disk": {"enabled": False}}
     first = run_engine(vllm_python, tiny_llama, tmp_path, {"kvstore_config": {**base, **tiers}}, "gen,flush", env)
     assert first["stats"]["redis"]["writes"] == first["stats"]["s3"]["writes"] == REUSABLE_CHUNKS
-    for remote, tier in tiers.items():
-        fresh = run_engine(vllm_python, tiny_llama, tmp_path, {"kvstore_config": {**base, remote: tier}}, "gen", env)
+    assert first["stats"]["redis"]["bytes_written"] > REUSABLE_CHUNKS * 4 * HOLD_ALLOWANCE  # a hold holds chunks
+    handshake = tmp_path / "overlap"
+    with SlowProxy("127.0.0.1", redis_server.port) as proxy, ThreadPoolExecutor(1) as pool:
+        proxy.hold(HOLD_ALLOWANCE)
+        redis = {**tiers["redis"], "url": f"redis://127.0.0.1:{proxy.port}/0"}
+        extra = {"kvstore_config": {**base, "redis": redis, "timeouts": {"get": 30}}}
+        options = ("--handshake", str(handshake))
+        engine = pool.submit(run_engine, vllm_python, tiny_llama, tmp_path, extra, "overlap", env, options=options)
+        try:  # bounded: the engine's process is killed after ENGINE_TIMEOUT, and its step gives up after 5 minutes
+            while not handshake.with_suffix(".ready").exists() and not engine.done():
+                time.sleep(0.1)
+        finally:
+            proxy.release()
+        overlapped = engine.result()
+    run, stats = overlapped["runs"][0], overlapped["stats"]
+    print("redis, held:", json.dumps(run | {"tokens": len(run["tokens"])}), json.dumps(stats))
+    assert run["waited_for_remote_kvs"] and run["ready_while_p_had_none"], run
+    assert run["r_tokens_while_p_waited"] >= OVERLAP_TOKENS and run["finished"], run
+    # The worker's read rate reached the namespace's planner file, where the scheduler's store (another
+    # process) takes it from (tests/test_planner_share.py); the writer engine before it read nothing.
+    planner_files = Path(os.environ["XDG_STATE_HOME"], "kvstore", "planner").glob("*.json")
+    shared = [json.loads(path.read_text()) for path in planner_files]
+    redis_reads = [state["tiers"]["redis"]["reads"] for state in shared if "redis" in state["tiers"]]
+    assert len(redis_reads) == 1 and redis_reads[0] >= 1, shared
+    fresh_runs = {"redis": overlapped}
+    fresh_runs["s3"] = run_engine(
+        vllm_python, tiny_llama, tmp_path, {"kvstore_config": {**base, "s3": tiers["s3"]}}, "gen", env
+    )
+    for remote, fresh in fresh_runs.items():
         run, stats = fresh["runs"][0], fresh["stats"]
         print(remote, json.dumps(stats))
         assert run["tokens"] == first["runs"][0]["tokens"], remote
         assert run["cached_tokens"] == REUSABLE_CHUNKS * 256, remote
         assert stats["connector"]["loaded_chunks"] == REUSABLE_CHUNKS, remote
+        assert stats["connector"]["load_failures"] == 0, remote
         assert stats[remote]["hits"] == REUSABLE_CHUNKS and stats[remote]["corrupt"] == 0, remote
         assert stats["store"]["streamed_from_dram"] == 0, remote
         assert stats["scheduler"]["background_loads"] == 1 and stats["store"]["streamed"] == 0, remote

@@ -35,6 +35,7 @@ FALLBACK = {
 # Defaults computed when the store starts, shown as the rule rather than this machine's value.
 FACTORY_DEFAULTS = {
     "default_cache_dir": "`$XDG_CACHE_HOME/kvstore`, else `~/.cache/kvstore`",
+    "default_planner_dir": "`$XDG_STATE_HOME/kvstore/planner`, else `~/.local/state/kvstore/planner`",
 }
 UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 

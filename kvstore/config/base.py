@@ -56,6 +56,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore"
 
 
+def default_planner_dir() -> Path:
+    """Where the load planner keeps what it measured: ``$XDG_STATE_HOME/kvstore/planner`` (``~/.local/state``)."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "kvstore" / "planner"
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from kvstore.admission import DEFAULT_ADMISSION, AdmissionName
-from kvstore.config.base import Capacity, Duration, Section, Size
+from kvstore.config.base import Capacity, Duration, Section, Size, default_planner_dir
 from kvstore.errors import ConfigError
 from kvstore.eviction import EvictionName
 
@@ -262,3 +262,18 @@ class PlannerConfig(Section):
         le=86400,
         description="seconds after which a tier's measured read speed is stale: a refused tier is probed again",
     )
+    state_dir: Path | None = Field(
+        default_factory=default_planner_dir,
+        description=(
+            "where each namespace's measured rates are kept (its tiers' reads, the engine's prefill), shared by "
+            "an engine's processes and read again after a restart; '' or null: kept in memory only"
+        ),
+    )
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: object) -> object:
+        """'' (as an environment variable gives it) turns sharing off; '~' is the user's home."""
+        if isinstance(value, str) and not value.strip():
+            return None
+        return Path(value).expanduser() if isinstance(value, (str, Path)) else value

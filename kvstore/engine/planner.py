@@ -52,8 +52,9 @@ import statistics
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.config import PlannerConfig
 from kvstore.sizing.advice import DEFAULT_BANDWIDTH
@@ -105,6 +106,7 @@ class TierEstimate:
     reads: int = 0
     read_at: float | None = None  # the planner's clock at the last read measured (or the seed's); None: never
     probed_at: float | None = None  # the planner's clock at the last plan that probed this tier; None: never
+    borrowed: bool = False  # its reads were measured by another process (or an earlier run), none here yet
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
@@ -127,6 +129,7 @@ class TierEstimate:
         self.bytes_per_s = max(1.0, _ewma(self.bytes_per_s, nbytes / transfer, 0 if stale else self.reads))
         self.reads += 1
         self.read_at = now
+        self.borrowed = False
 
 
 def _ewma(current: float, sample: float, seen: int) -> float:
@@ -340,6 +343,19 @@ class LoadPlanner:
             used.add(tier)
         return load
 
+    def expected_seconds(self, tiers: Sequence[str], local: Sequence[bool] | None = None) -> float:
+        """The expected time to load chunks held by ``tiers``, a tier never measured at its seed bandwidth.
+
+        Unlike a plan's (where an unmeasured tier costs its latency only, so that it is read and
+        measured), this errs towards slow: it says how long a load may hold an engine's step.
+        """
+        load, used = 0.0, set()
+        for i, tier in enumerate(tiers):
+            estimate = self.estimate(tier, True if local is None else local[i])
+            load += self.chunk_nbytes / estimate.bytes_per_s + (0.0 if tier in used else estimate.latency_s)
+            used.add(tier)
+        return load
+
     def _chunk_seconds(self, tier: str, estimate: TierEstimate, requested: bool, stale: bool) -> float:
         """One more chunk from ``tier``: its bytes, and the request's latency unless ``requested`` already.
 
@@ -350,6 +366,51 @@ class LoadPlanner:
         measured = (estimate.reads > 0 or tier == DRAM) and not stale
         transfer = self.chunk_nbytes / estimate.bytes_per_s if measured else 0.0
         return transfer + (0.0 if requested else estimate.latency_s)
+
+    # -- shared with the engine's other processes (kvstore.engine.planner_share) ----------------------
+
+    def measured_here(self) -> dict[str, Any]:
+        """What this planner measured itself (not pinned, not borrowed): the prefill rates of its window
+        (when it timed steps) and, per tier read here, its estimate, with its age in seconds."""
+        now = self.clock()
+        with self._lock:
+            shared: dict[str, Any] = {"tiers": {}}
+            if self._prefills:
+                shared["prefill_rates"] = list(self._prefill_rates)
+            for name, e in self.tiers.items():
+                if e.reads and not e.borrowed and e.read_at is not None:
+                    shared["tiers"][name] = {
+                        "latency_s": e.latency_s,
+                        "bytes_per_s": e.bytes_per_s,
+                        "reads": e.reads,
+                        "age_s": max(0.0, now - e.read_at),
+                    }
+            return shared
+
+    def borrow(self, prefill_rates: Sequence[float], tiers: Mapping[str, Mapping[str, float]]) -> None:
+        """Take what another process (or an earlier run) measured, where this planner measured nothing itself.
+
+        ``prefill_rates`` seed the window while this planner has timed no step; each of ``tiers``
+        (``latency_s``, ``bytes_per_s``, ``reads``, ``age_s``: as :meth:`measured_here` gives them, checked
+        by the caller) replaces the estimate of a tier this process has not read, dated ``age_s`` ago.
+        """
+        now = self.clock()
+        with self._lock:
+            if not self._prefills and prefill_rates:
+                self._prefill_rates.clear()
+                self._prefill_rates.extend(prefill_rates)
+            for name, shared in tiers.items():
+                estimate = self.tiers.get(name)
+                if estimate is not None and estimate.reads and not estimate.borrowed:
+                    continue  # measured here: this process's own reads win
+                if estimate is None:
+                    estimate = self.tiers[name] = TierEstimate(shared["latency_s"], shared["bytes_per_s"])
+                if not estimate.lookups:
+                    estimate.latency_s = shared["latency_s"]
+                estimate.bytes_per_s = shared["bytes_per_s"]
+                estimate.reads = max(1, int(shared["reads"]))
+                estimate.read_at = now - shared["age_s"]
+                estimate.borrowed = True
 
     def describe(self) -> dict[str, object]:
         """The estimates now (for stats and benchmarks)."""

@@ -45,6 +45,7 @@ from kvstore.engine.costs import bus_bandwidth, copy_bandwidth, measured_costs
 from kvstore.engine.dram import SlabPool
 from kvstore.engine.loads import Deadline, TierLoader
 from kvstore.engine.planner import DRAM, LoadPlan, LoadPlanner
+from kvstore.engine.planner_share import SharedEstimates, state_path
 from kvstore.engine.stats import StoreLatency
 from kvstore.engine.streams import LayerStream, StreamHooks, StreamResources
 from kvstore.engine.transfer import Completion, DeviceTransfers, ready_on_current_stream
@@ -156,6 +157,12 @@ class KVStore:
         # DRAM's seed: the bus where the pool is pinned for a GPU, a memcpy elsewhere (measured loads then take over)
         dram_rate = (bus_bandwidth() if self.pool.pinned else None) or copy_bandwidth()
         self.planner = LoadPlanner(config.planner, layout.chunk_nbytes, layout.chunk_tokens, dram_rate)
+        # what it measured, shared with the engine's other processes and the next run (engine/planner_share.py)
+        state_dir = config.planner.state_dir
+        self._estimates = (
+            SharedEstimates(self.planner, state_path(state_dir, namespace, layout.fingerprint)) if state_dir else None
+        )
+        self._sharing: asyncio.Task[None] | None = None
         self.metrics_port: int | None = None  # where the Prometheus exporter listens, when metrics.enabled
         self._state = "new"
 
@@ -185,6 +192,9 @@ class KVStore:
                 await asyncio.to_thread(self.events.close)
             raise
         self._cascade.start()
+        if self._estimates is not None:  # the last run's prefill rate, the other processes' reads, before any plan
+            await asyncio.to_thread(self._estimates.exchange)
+            self._sharing = asyncio.create_task(self._estimates.keep_sharing(self._sync_planner_if_alive()))
         self._state = "open"
         metrics.register(self)
         return self
@@ -216,6 +226,10 @@ class KVStore:
                 )
         if self._auto is not None:
             self._auto.cancel()
+        if self._sharing is not None and self._estimates is not None:  # what this run measured, for the next
+            self._sharing.cancel()
+            self.planner.sync(self.tiers)
+            await asyncio.to_thread(self._estimates.exchange)
         await self._cascade.stop()  # what is still queued is dropped, counted
         for tier in self.tiers:  # slots are released by their operations' own callbacks when threads end
             tier.cancel_operations()
@@ -234,6 +248,19 @@ class KVStore:
             await asyncio.to_thread(self.events.close)  # bounded (EventPublisher.close), off the loop
         self._state = "closed"
         metrics.unregister(self)
+
+    def _sync_planner_if_alive(self) -> Callable[[], bool]:
+        """What the planner's sharing calls on the loop: fold in the tiers' counters, False once the store is
+        gone (a weak reference: the task never keeps a store nobody closed alive)."""
+        store = weakref.ref(self)
+
+        def sync() -> bool:
+            alive = store()
+            if alive is not None:
+                alive.planner.sync(alive.tiers)
+            return alive is not None
+
+        return sync
 
     async def _close_tier(self, tier: ChunkTier) -> None:
         """Close one tier within ``timeouts.close``; a failure is logged, never raised (close never fails)."""

@@ -73,8 +73,8 @@ class SyncKVStore:
         tiers = self._store.tiers  # fixed once the store is open: what depends on them is said once, here
         # The tiers, fastest first: "dram", then each secondary tier's name ("disk", "redis", ...).
         self.tier_names: tuple[str, ...] = ("dram", *(tier.name for tier in tiers))
-        # The tiers read on this machine ("dram", a disk): a load from them alone is fast enough to run inside an
-        # engine's forward pass; one that needs another tier (Redis, S3, a remote plugin) is not.
+        # The tiers read on this machine ("dram", a disk): a load from them alone may run inside an engine's
+        # forward pass, when expected fast enough; one that needs another tier (Redis, S3, a remote plugin) never.
         self.local_tiers: frozenset[str] = frozenset(("dram", *(tier.name for tier in tiers if tier.is_local)))
 
     @staticmethod
@@ -210,6 +210,11 @@ class SyncKVStore:
     def plan_tiers(self, tiers: Sequence[str]) -> LoadPlan:
         """The plan for chunks already known to be held where ``tiers`` says (no I/O; on the calling thread)."""
         return self._store.planner.plan(tiers)
+
+    def expected_load_seconds(self, tiers: Sequence[str]) -> float:
+        """How long loading chunks held where ``tiers`` says is expected to take, a tier never measured at its
+        seed bandwidth (no I/O; on the calling thread): how long such a load may hold an engine's step."""
+        return self._store.planner.expected_seconds(tiers, [tier in self.local_tiers for tier in tiers])
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds``: the planner's recompute rate (non-blocking)."""

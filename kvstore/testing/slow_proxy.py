@@ -1,4 +1,4 @@
-"""A TCP proxy that slows a real server down on purpose: a delay per request and a bandwidth cap.
+"""A TCP proxy that slows a real server down on purpose: a delay per request, bandwidth caps, a held gate.
 
 For tests and benchmarks of what a slow tier costs (the load planner, timeouts): put it in front
 of ``redis-server`` or an S3 server and point the tier at ``proxy.port``. The server stays real;
@@ -8,8 +8,14 @@ only the path to it is slow, like a congested link.
         config = StoreConfig(redis={"enabled": True, "url": f"redis://127.0.0.1:{proxy.port}/0"})
 
 Threads, not asyncio: it serves whatever loop or thread the client runs on. ``delay`` is added
-once before each burst the client sends (a request) and ``bytes_per_s`` paces what the server
-sends back. Both may be changed while it runs (a tier that turns slow).
+once before each burst the client sends (a request); ``bytes_per_s`` paces what the server sends
+back on each connection, ``total_bytes_per_s`` what it sends back on all of them together (one
+congested link, however many connections a client opens). All may be changed while it runs (a
+tier that turns slow).
+
+:meth:`SlowProxy.hold` stops the server's replies beyond a small allowance per connection until
+:meth:`SlowProxy.release`: small replies (a lookup's) still pass, a chunk's bytes wait. A test
+holds a load in flight for as long as it needs, without depending on how long anything takes.
 """
 
 from __future__ import annotations
@@ -27,10 +33,21 @@ class SlowProxy:
     """Forward ``HOST:port`` to ``target_host:target_port``, slowed by ``delay`` and ``bytes_per_s`` (None: no cap)."""
 
     def __init__(
-        self, target_host: str, target_port: int, *, delay: float = 0.0, bytes_per_s: float | None = None
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        delay: float = 0.0,
+        bytes_per_s: float | None = None,
+        total_bytes_per_s: float | None = None,
     ) -> None:
         self.target = (target_host, target_port)
-        self.delay, self.bytes_per_s = delay, bytes_per_s
+        self.delay, self.bytes_per_s, self.total_bytes_per_s = delay, bytes_per_s, total_bytes_per_s
+        self._link_free_at = 0.0  # monotonic time when the shared link has sent what it was given
+        self._released = threading.Event()
+        self._released.set()
+        self._allowance = 0  # bytes a connection's replies may pass while held
+        self._holds = 0  # holds so far: a connection counts what it passed since the latest
         self._listener = socket.create_server((HOST, 0))
         self.port: int = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
@@ -45,6 +62,7 @@ class SlowProxy:
     def close(self) -> None:
         """Stop accepting and cut every connection (blocking, briefly)."""
         self._closed = True
+        self._released.set()  # no reply waits on a proxy that is gone
         self._listener.close()
         with self._lock:
             for sock in self._sockets:
@@ -52,6 +70,27 @@ class SlowProxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 sock.close()
             self._sockets.clear()
+
+    def hold(self, allowance: int = 16 << 10) -> None:
+        """From now on, each connection's replies pass ``allowance`` bytes more, then wait for :meth:`release`."""
+        self._allowance = allowance
+        self._holds += 1
+        self._released.clear()
+
+    def release(self) -> None:
+        """Let every held reply go on."""
+        self._released.set()
+
+    def _pace_link(self, nbytes: int) -> None:
+        """Wait for the shared link (``total_bytes_per_s``) to send ``nbytes``, after what it was given before."""
+        rate = self.total_bytes_per_s
+        if not rate:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._link_free_at)
+            self._link_free_at = start + nbytes / rate
+            done = self._link_free_at
+        time.sleep(max(0.0, done - time.monotonic()))
 
     def __enter__(self) -> SlowProxy:
         return self.start()
@@ -78,7 +117,8 @@ class SlowProxy:
             threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 
     def _pipe(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
-        """Copy ``source`` to ``sink``: requests after ``delay``, replies paced at ``bytes_per_s``."""
+        """Copy ``source`` to ``sink``: requests after ``delay``; replies paced, and held while :meth:`hold` says."""
+        passed_while_held, hold = 0, self._holds
         try:
             while True:
                 data = source.recv(BURST)
@@ -86,9 +126,17 @@ class SlowProxy:
                     break
                 if upstream and self.delay:
                     time.sleep(self.delay)
-                rate = self.bytes_per_s
-                if not upstream and rate:
-                    time.sleep(len(data) / rate)
+                if not upstream:
+                    if not self._released.is_set():
+                        if hold != self._holds:
+                            passed_while_held, hold = 0, self._holds
+                        passed_while_held += len(data)
+                        if passed_while_held > self._allowance:
+                            self._released.wait()
+                    rate = self.bytes_per_s
+                    if rate:
+                        time.sleep(len(data) / rate)
+                    self._pace_link(len(data))
                 sink.sendall(data)
         except OSError:
             pass

@@ -14,6 +14,12 @@ tenant's ``cache_salt``,
 ``flush`` waits until kvstore's writes reached every tier, ``freeze`` sends SIGSTOP to
 process ``--freeze-pid`` (a server that stops answering), ``handshake`` writes ``<--handshake>.ready``
 and waits (at most 5 minutes) for the test to write ``<--handshake>.go`` (a subscriber catching up).
+``overlap`` (the engine core in this process: ``--processes workers`` or ``one``) steps vLLM by hand:
+request R (the ``other`` prompt, 400 tokens) decodes, then request P (the ``gen`` prompt, whose
+prefix the test holds in a tier off the machine) comes; once P waits for its prefix
+(``WAITING_FOR_REMOTE_KVS``) and R has produced ``OVERLAP_TOKENS`` more while P has none, it writes
+``<--handshake>.ready`` (the test then lets the load go on) and steps until P is done (at most 5
+minutes). It records P's run as ``gen`` does, plus R's tokens meanwhile and whether ``.ready`` was written.
 ``--kv-events PUB,REPLAY`` turns vLLM's own KV events on, published there.
 
 ``--processes`` lays the engine out:
@@ -58,6 +64,59 @@ os.environ.setdefault("KVSTORE_PLANNER__PREFILL_TOKENS_PER_S", "1")
 # pinned one per core, kvstore's loop was seen to wait ~30 s for the CPU. A timeout is a correct miss,
 # but not what a test of loads looks for; a test of timeouts sets its own (kwargs win over the env).
 os.environ.setdefault("KVSTORE_TIMEOUTS__GET", "60")
+
+
+OVERLAP_TOKENS = 8  # R's tokens while P's prefix loads, before the overlap step writes .ready
+
+
+def overlap(llm: Any, other: Any, gen: Any, sampling: Any, handshake: str) -> dict[str, Any]:
+    """The ``overlap`` step (see the module docstring): P's run, and what R produced while P waited."""
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    engine, scheduler = llm.llm_engine, llm.llm_engine.engine_core.engine_core.scheduler
+    tokens: dict[str, list[int]] = {"R": [], "P": []}
+    cached, finished = None, False
+
+    def step() -> None:
+        nonlocal cached, finished
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+            if output.request_id == "P":
+                cached, finished = output.num_cached_tokens, output.finished
+
+    engine.add_request("R", other, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    while not tokens["R"]:
+        step()
+    begin = time.perf_counter()
+    p_id = engine.add_request("P", gen, sampling)
+    added, waiting_from, ready = len(tokens["R"]), None, False
+    r_after_p_added = r_while_p_waited = 0
+    while not finished and time.perf_counter() - begin < 300:  # a guard against a hang
+        step()
+        request = scheduler.requests.get(p_id)
+        if waiting_from is None and request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            waiting_from = len(tokens["R"])
+        if ready or tokens["P"]:  # counted until .ready, or until P's first output (then no .ready)
+            continue
+        r_after_p_added = len(tokens["R"]) - added
+        r_while_p_waited = 0 if waiting_from is None else len(tokens["R"]) - waiting_from
+        if r_while_p_waited >= OVERLAP_TOKENS:
+            with open(handshake + ".ready", "w"):
+                pass
+            ready = True
+    engine.abort_request(["R"] if finished else ["R", "P"])  # nothing left running for later steps
+    return {
+        "step": "overlap",
+        "tokens": tokens["P"],
+        "cached_tokens": cached,
+        "seconds": time.perf_counter() - begin,
+        "finished": finished,
+        "waited_for_remote_kvs": waiting_from is not None,
+        "r_tokens_after_p_added": r_after_p_added,
+        "r_tokens_while_p_waited": r_while_p_waited,
+        "ready_while_p_had_none": ready,
+    }
 
 
 def is_mla(model: str) -> bool:
@@ -199,6 +258,8 @@ def main() -> None:
             waited = time.monotonic()
             while not os.path.exists(args.handshake + ".go") and time.monotonic() - waited < 300:
                 time.sleep(0.05)
+        elif step == "overlap":
+            report["runs"].append(overlap(llm, prompts["other"], prompts["gen"], sampling, args.handshake))
         elif step == "freeze":
             os.kill(args.freeze_pid, signal.SIGSTOP)
         elif step in prompts or step == "pair":

@@ -43,6 +43,14 @@ into its DRAM tier; a call still running ``timeouts.get`` + 5 s later is stopped
 ``timeouts.close``) and answered as a miss: a dead tier is a miss, never a hang. A corrupt or
 foreign chunk is a counted miss (kvstore checks every chunk it reads), never wrong KV.
 
+**Threads.** SGLang (0.5.23's ``HiCacheController``) calls ``batch_exists`` from its prefetch
+thread (the hit query), ``batch_get_v1`` from its prefetch I/O thread and ``batch_set_v1`` from
+its backup thread: each waits there for kvstore, within the bound above. Its scheduler thread only
+queues prefetches and backups and polls their acknowledgements; into this backend it calls
+``get_stats`` (each step, with ``--enable-metrics``: counters read on that thread, no wait for
+kvstore's loop) and ``clear``, and ``register_mem_pool_host`` / ``close`` when storage is attached
+or detached (the store opens or closes then).
+
 Options (keys of ``--hicache-storage-backend-extra-config`` besides SGLang's own): see :data:`OPTIONS`.
 """
 
@@ -289,10 +297,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def get_stats(self) -> StorageMetrics:
         """SGLang's storage metrics since the last call (pages and GB/s per batch), with kvstore's own
-        counters (``SyncKVStore.stats()``: hits, misses, per-tier errors, timeouts, corrupt chunks) as
-        the ``kvstore`` attribute."""
+        counters (hits, misses, per-tier errors, timeouts, corrupt chunks) as the ``kvstore`` attribute.
+
+        SGLang's scheduler thread calls this every step (``--enable-metrics``): the counters are read on
+        that thread (``SyncKVStore.stats_now``), without waiting for kvstore's loop, however busy it is."""
         metrics, self._metrics = self._metrics, StorageMetrics()
-        metrics.kvstore = self.store.stats() if self.store is not None else {}  # type: ignore[attr-defined]
+        metrics.kvstore = self.store.stats_now() if self.store is not None else {}  # type: ignore[attr-defined]
         return metrics
 
     def clear(self) -> None:

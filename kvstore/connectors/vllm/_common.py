@@ -10,7 +10,9 @@ Options come from vLLM's ``kv_connector_extra_config`` (connector) or the second
 - ``kvstore_namespace``: the model's identity in keys; defaults to ``vllm:<model>#id=<identity>``,
   the identity hashing the weights' bytes and the settings that change the KV
   (:mod:`kvstore.connectors.identity`, :func:`vllm_settings`).
-- ``kvstore_chunk_tokens`` (256), ``kvstore_prefetch_depth`` (4, connector only).
+- ``kvstore_chunk_tokens`` (256); connector only: ``kvstore_prefetch_depth`` (4),
+  ``kvstore_max_stall_ms`` (50; null: no background loads) and ``kvstore_max_background_mib`` (1024):
+  when a load runs in the forward pass and when in the background (docs/vllm.md).
 
 Any other key is refused at engine start with the closest valid name (a misspelled
 ``kv_store_config`` would otherwise leave the engine running without the configured tiers),
@@ -44,6 +46,12 @@ OPTIONS = {
     "kvstore_namespace": "the model's identity in chunk keys (default 'vllm:<model>#id=<weights and settings>')",
     "kvstore_chunk_tokens": "tokens per stored chunk, a multiple of vLLM's block size (default 256)",
     "kvstore_prefetch_depth": "layers a load stream runs ahead of the forward pass (default 4)",
+    "kvstore_max_stall_ms": (
+        "longest a load from DRAM or a local disk may be expected to hold the batch inside the forward pass; "
+        "a longer one, and any from a tier off this machine, loads in the background (default 50; "
+        "null: every load in the forward pass)"
+    ),
+    "kvstore_max_background_mib": "host memory that background loads may stage at once, in MiB (default 1024)",
 }
 # Keys of kv_connector_extra_config that vLLM itself writes or reads for any connector:
 # --kv-offloading-backend native adds cpu_bytes_to_use (vLLM 0.32, config/vllm.py).
@@ -56,6 +64,8 @@ class KVStoreOptions:
     namespace: str
     chunk_tokens: int
     prefetch_depth: int
+    max_stall_s: float | None  # None: every load in the forward pass
+    max_background_bytes: int
 
 
 def read_options(
@@ -84,6 +94,8 @@ def read_options(
         namespace=str(extra.get("kvstore_namespace") or namespace()),
         chunk_tokens=_positive(extra, "kvstore_chunk_tokens", 256),
         prefetch_depth=_positive(extra, "kvstore_prefetch_depth", 4),
+        max_stall_s=_stall_budget(extra),
+        max_background_bytes=_positive(extra, "kvstore_max_background_mib", 1024) << 20,
     )
 
 
@@ -219,6 +231,19 @@ def refuse_split_layers_or_tokens(who: str, pipeline: int, prefill_context: int,
             f"decode_context_parallel_size={decode_context}): each worker holds only some tokens of a block; "
             "use tensor parallelism (tensor_parallel_size) instead"
         )
+
+
+def _stall_budget(extra: Mapping[str, Any]) -> float | None:
+    """``kvstore_max_stall_ms`` in seconds: a number of milliseconds, 0 or more, or None (no budget)."""
+    value = extra.get("kvstore_max_stall_ms", 50)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ConfigError(
+            f"kvstore_max_stall_ms must be a number of milliseconds, 0 or more (0: every load in the background), "
+            f"or null (every load in the forward pass); got {value!r}"
+        )
+    return value / 1000
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: int) -> int:

@@ -148,24 +148,29 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             "save_rejected": 0,
             "unsaveable_chunks": 0,  # a sliding-window group no longer held a chunk's blocks: not saved
             "recomputed_chunks": 0,  # scheduler: stored chunks the load planner found faster to compute
-            "background_loads": 0,  # scheduler: loads run outside the forward pass (hybrid, or a tier off this machine)
+            "background_loads": 0,  # scheduler: loads run outside the forward pass (see kvstore_max_stall_ms)
         }
         # The prefill rate, timed from this scheduler's steps: only when a step's scheduling follows
         # the one before it having run (with async scheduling, vLLM's GPU default, the next step is
         # scheduled as the last is submitted: no time between them to measure). Else pin it:
         # planner.prefill_tokens_per_s.
         timed = self.store is not None and not vllm_config.scheduler_config.async_scheduling
+        # A step is timed when it computes half the step's token budget or a chunk, whichever is fewer (a
+        # budget below a chunk, --max-num-batched-tokens 128, prefills in such steps); decodes alone are not.
+        step_tokens = min(self.chunk_tokens, max(1, vllm_config.scheduler_config.max_num_batched_tokens // 2))
         self._scheduler = ConnectorScheduler(
             held_store=self._held_store,
             groups=self.groups,
             chunk_tokens=self.chunk_tokens,
             hybrid=self.hybrid,
             saved_limit=max(1, int(options.config.dram.capacity) // self.layout.chunk_nbytes),
-            prefill_clock=self.store.prefill_clock(self.chunk_tokens, timed)
+            prefill_clock=self.store.prefill_clock(step_tokens, timed)
             if self.store is not None
-            else PrefillClock(None, self.chunk_tokens),
+            else PrefillClock(None, step_tokens),
             identity=self.identity(),
             counters=self.counters,
+            max_stall_s=options.max_stall_s,
+            max_background_bytes=options.max_background_bytes,
             hash_block_size=self._hash_block_size(kv_cache_config) if options.config.events.enabled else None,
         )
         # worker side

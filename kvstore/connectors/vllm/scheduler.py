@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvstore.connectors.vllm")
-# Background loads in flight at once: each stages its whole prefix in host memory until it is copied into blocks.
-MAX_BACKGROUND_LOADS = 4
 
 
 @dataclass
@@ -88,10 +86,13 @@ class ConnectorScheduler:
         prefill_clock: PrefillClock,
         identity: str,
         counters: dict[str, int],
+        max_stall_s: float | None = 0.05,
+        max_background_bytes: int = 1 << 30,
         hash_block_size: int | None = None,
     ) -> None:
-        """``hybrid``: every load is whole-prefix and asynchronous (several groups, or a sliding window); else only
-        a load that needs a tier off this machine is (see ``get_num_new_matched_tokens``).
+        """``hybrid``: every load is whole-prefix and asynchronous (several groups, or a sliding window); else a
+        load runs in the background when it would hold the batch past ``max_stall_s`` (see :meth:`_in_background`).
+        Background loads stage at most ``max_background_bytes`` at once (one larger load alone, when none is).
 
         ``saved_limit``: how many keys of chunks sent for saving are remembered (about what the
         worker's DRAM tier holds). ``identity``: the namespace and layout sent to the workers.
@@ -108,7 +109,8 @@ class ConnectorScheduler:
         self._requests: dict[str, RequestState] = {}
         self._unsent_loads: list[LoadSpec] = []  # whole-prefix loads for the next step's metadata
         self._unsent_names: dict[ChunkKey, ChunkIdentity] = {}  # their chunks' names (KV events)
-        self._background: set[str] = set()  # requests whose background load is in flight
+        self.max_stall_s, self.max_background_bytes = max_stall_s, max_background_bytes
+        self._background: dict[str, int] = {}  # requests whose background load is in flight: its bytes staged
         # Chunks this scheduler had the worker put into its DRAM tier, newest last: the worker may
         # be another process, whose DRAM the scheduler's lookups cannot see.
         self._saved: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
@@ -147,13 +149,26 @@ class ConnectorScheduler:
         matched = load * self.chunk_tokens
         if matched <= num_computed_tokens:
             return 0, False
-        # In the background (vLLM schedules the others meanwhile, and takes a failure per request): a hybrid
-        # model's loads, and a load that needs a tier off this machine, which would hold every request's step.
-        local = self._held_store().local_tiers
-        state.background = self.hybrid or any(tier not in local for tier in plan.tiers[start:load])
-        if state.background and len(self._background) >= MAX_BACKGROUND_LOADS:
-            return None, False  # asked again next step: loads in flight are bounded, and so is their memory
+        # In the background, vLLM schedules the others meanwhile and takes a failure per request.
+        state.background = self.hybrid or self._in_background(plan.tiers[start:load])
+        staged = sum(self._background.values()) + (load - start) * self._held_store().layout.chunk_nbytes
+        if state.background and self._background and staged > self.max_background_bytes:
+            return None, False  # asked again next step: what background loads stage is bounded
         return matched - num_computed_tokens, state.background
+
+    def _in_background(self, tiers: Sequence[str]) -> bool:
+        """Whether a load of chunks held where ``tiers`` says would hold the batch too long inside the forward pass.
+
+        It would if it needs a tier off this machine (Redis, S3, a remote plugin: their latency has no
+        bound but their timeout), or if its expected time from DRAM and local disks (a disk never read
+        yet at its seed speed) exceeds ``max_stall_s``. With no budget (None), every load runs inside.
+        """
+        if self.max_stall_s is None:
+            return False
+        store = self._held_store()
+        if any(tier not in store.local_tiers for tier in tiers):
+            return True
+        return store.expected_load_seconds(tiers) > self.max_stall_s
 
     def _lookup(self, keys: list[ChunkKey]) -> concurrent.futures.Future[LoadPlan]:
         """The plan for ``keys``: those just saved to the worker's DRAM, then where the store holds the rest.
@@ -217,7 +232,7 @@ class ConnectorScheduler:
         )
         state.loading = (first_chunk, state.load)
         if state.background:  # asynchronous: sent with the next step, which does not schedule the request
-            self._background.add(request.request_id)
+            self._background[request.request_id] = len(state.load.keys) * self._held_store().layout.chunk_nbytes
             self.counters["background_loads"] += 1
             self._unsent_loads.append(state.load)
             self._name_chunks(self._unsent_names, state, range(first_chunk, first_chunk + len(state.load.keys)))
@@ -280,7 +295,7 @@ class ConnectorScheduler:
             state.next_save = max(state.next_save, done)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
-            self._background.discard(req_id)
+            self._background.pop(req_id, None)
         meta.scheduler_counters = dict(self.counters)
         meta.identity = self.identity
         return meta
@@ -309,7 +324,8 @@ class ConnectorScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """A load that failed is recomputed by vLLM: its chunks are saved again once they are."""
         failed_requests = getattr(connector_output, "failed_recving", None) or set()
-        self._background -= (getattr(connector_output, "finished_recving", None) or set()) | failed_requests
+        for req_id in (getattr(connector_output, "finished_recving", None) or set()) | failed_requests:
+            self._background.pop(req_id, None)
         for req_id in failed_requests:  # a whole-prefix (background) load: the request is recomputed whole
             state = self._requests.get(req_id)
             if state is not None and state.loading is not None:
@@ -338,4 +354,4 @@ class ConnectorScheduler:
     def request_finished(self, req_id: str) -> None:
         """vLLM is done with the request: its state goes (saves were copied within their steps)."""
         self._requests.pop(req_id, None)
-        self._background.discard(req_id)
+        self._background.pop(req_id, None)
