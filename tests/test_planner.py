@@ -7,6 +7,7 @@ lower bound on time, never a race. The prefill rate is pinned in the config.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -372,3 +373,23 @@ async def test_a_tier_that_streams_slowly_is_measured_by_the_streams_themselves(
         plan = await store.plan(keys)
         assert plan.tiers == ("redis",) * 4
         assert plan.load == 0, f"the streamed Redis ({store.planner.describe()}) should have lost to recompute"
+
+
+async def test_reads_sharing_a_link_measure_the_link_not_their_share_of_it(tmp_path, redis_proxy):
+    """Eight reads at once through a Redis link capped at 2 MB/s in all (4 MiB: >= 2 s). Each timed alone
+    would show an eighth of the link (~0.25 MB/s); timed together while any is in flight, they show the
+    link: the estimate is above half of it, a margin of more than a second on a busy machine."""
+    prefix = f"planner-{uuid.uuid4().hex[:8]}"
+    tokens = list(range(8 * LAYOUT.chunk_tokens))
+    await put_all(store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=1.0), tokens)
+    redis_proxy.total_bytes_per_s = 2e6
+    async with KVStore(
+        store_config(tmp_path, redis_proxy.port, prefix, disk=False, prefill=1.0), LAYOUT, "planner-test"
+    ) as store:
+        keys = store.chunk_keys(tokens)
+        assert store.planner.estimate("redis", local=False).reads == 0  # the seed until the reads are measured
+        loaded = await asyncio.gather(*(store.get_many([key]) for key in keys))
+        assert [int(chunk[0][0, 0, 0, 0, 0]) for chunk in loaded] == list(range(8)), store.stats()
+        store.planner.sync(store.tiers)
+        redis = store.planner.estimate("redis", local=False)
+        assert redis.reads == 1 and 1e6 < redis.bytes_per_s <= 2.2e6, store.planner.describe()

@@ -6,8 +6,9 @@ bucket across a slow link can cost more to fetch than the engine takes to prefil
 
 - per tier, the **latency** of one request (an EWMA of the tier's lookups: a HEAD on S3, EXISTS
   on Redis, a stat on disk, which the store does on every ``lookup``) and its **throughput** in
-  chunk bytes per second (an EWMA of the batch reads ``get_many`` does, of the range requests
-  layer streams make, and of the loads a connector reports through :meth:`observe_read`); each
+  chunk bytes per second (an EWMA over the periods some read of the tier was in flight, batch
+  reads ``get_many`` does and range requests layer streams make alike, timed together so that reads
+  sharing a link show the link, and of the loads a connector reports through :meth:`observe_read`); each
   seeded from conservative defaults until measured (:data:`SEED_LATENCY`,
   :data:`kvstore.sizing.advice.DEFAULT_BANDWIDTH`);
 - the engine's **prefill rate** in tokens per second: pinned by ``planner.prefill_tokens_per_s``,
@@ -165,8 +166,8 @@ class LoadPlanner:
         self._prefill_rates: deque[float] = deque(maxlen=PREFILL_WINDOW)  # tokens/s of the last steps measured
         self._prefills = 0
         self._prefills_rejected = 0
-        self._seen: dict[str, tuple[int, float, int, float, int]] = {}  # per tier: counters read at the last sync
-        self._seen_spans: dict[str, tuple[int, float, int]] = {}  # per tier: stream range requests, seconds, bytes
+        # per tier, its counters at the last sync: (lookups, their seconds), (transfer periods, seconds, bytes)
+        self._seen: dict[str, tuple[tuple[int, float], tuple[int, float, int]]] = {}
         self._lock = threading.RLock()  # describe() reads the rate under it
 
     # -- estimates ---------------------------------------------------------------------------------
@@ -258,34 +259,27 @@ class LoadPlanner:
     def sync(self, tiers: Sequence[ChunkTier]) -> None:
         """Fold in what ``tiers`` measured since the last sync (loop thread: the tiers' counters are its).
 
-        Lookups (``tier.latency.lookup``) give the per-request latency; batch reads
-        (``tier.latency.read``, with ``tier.latency.read_chunks``) and layer streams' range
-        requests (``tier.latency.span``, with ``span_bytes``) the throughput.
+        Lookups (``tier.latency.lookup``) give the per-request latency; reads (batch reads and layer
+        streams' range requests alike) the throughput (``tier.latency.transfer``: per period some
+        read was in flight, its seconds and the bytes it brought, however many reads shared the link).
         """
         for tier in tiers:
-            latency = tier.latency
-            lookup, read, span = latency.lookup, latency.read, latency.span
-            now = (sum(lookup.counts), lookup.sum, sum(read.counts), read.sum, latency.read_chunks)
-            spans = (sum(span.counts), span.sum, latency.span_bytes)
-            spans_before = self._seen_spans.get(tier.name, (0, 0.0, 0))
-            self._seen_spans[tier.name] = spans
-            before = self._seen.get(tier.name, (0, 0.0, 0, 0.0, 0))
-            self._seen[tier.name] = now
+            lookup, transfer = tier.latency.lookup, tier.latency.transfer
+            lookups = (sum(lookup.counts), lookup.sum)
+            transfers = (transfer.periods, transfer.seconds, transfer.nbytes)
+            lookups_before, transfers_before = self._seen.get(tier.name, ((0, 0.0), (0, 0.0, 0)))
+            self._seen[tier.name] = (lookups, transfers)
             estimate = self.estimate(tier.name, tier.is_local)
             with self._lock:
-                if now[0] > before[0]:
-                    estimate.observe_latency((now[1] - before[1]) / (now[0] - before[0]))
-                # Per batch read: its seconds and its chunks' bytes. Reads that found nothing say nothing
-                # of the throughput (a faster tier had the chunks, or a timeout: of which read, the
-                # tier's counters do not say; its lookups' latency shows a tier that stopped answering).
-                if now[2] > before[2] and now[4] > before[4]:
-                    batches = now[2] - before[2]
-                    seconds, chunks = (now[3] - before[3]) / batches, (now[4] - before[4]) / batches
-                    self._observe_read(estimate, seconds, int(chunks * self.chunk_nbytes))
-                if spans[0] > spans_before[0]:  # per range request: its seconds and its bytes
-                    requests = spans[0] - spans_before[0]
-                    seconds, nbytes = (spans[1] - spans_before[1]) / requests, (spans[2] - spans_before[2]) / requests
-                    self._observe_read(estimate, seconds, int(nbytes))
+                if lookups[0] > lookups_before[0]:
+                    estimate.observe_latency((lookups[1] - lookups_before[1]) / (lookups[0] - lookups_before[0]))
+                # Per period: its seconds and its bytes. Reads that found nothing say nothing of the
+                # throughput (a faster tier had the chunks, or a timeout: its lookups' latency shows a
+                # tier that stopped answering); the clock leaves them out.
+                periods = transfers[0] - transfers_before[0]
+                if periods > 0:
+                    seconds = (transfers[1] - transfers_before[1]) / periods
+                    self._observe_read(estimate, seconds, int((transfers[2] - transfers_before[2]) / periods))
 
     # -- plans ----------------------------------------------------------------------------------------
 

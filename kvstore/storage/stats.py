@@ -5,6 +5,7 @@ The store's own, for the calls the engine makes, are in :mod:`kvstore.engine.sta
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 
@@ -66,8 +67,39 @@ class TierLatency:
     read: Histogram = field(default_factory=Histogram)
     write: Histogram = field(default_factory=Histogram)
     lookup: Histogram = field(default_factory=Histogram)
-    read_chunks: int = 0  # chunks the reads timed in ``read`` delivered (their throughput: kvstore.engine.planner)
-    # Layer streams' range requests to a remote tier, each timed, and the bytes they brought: the
-    # throughput of the reads connectors make (they load through streams), for kvstore.engine.planner.
-    span: Histogram = field(default_factory=Histogram)
-    span_bytes: int = 0
+    # The tier's throughput as its reads see it, batch reads and layer streams' range requests alike
+    # (for kvstore.engine.planner): the time some read was in flight, and the bytes they brought.
+    transfer: TransferClock = field(default_factory=lambda: TransferClock())
+
+
+@dataclass
+class TransferClock:
+    """How long some read of a tier was in flight, in periods, and what those reads brought (the event loop's).
+
+    Reads that overlap share the tier's link: each timed alone shows the share it got (16 range
+    requests of a layer stream in flight at once would each show a 16th of the link). Timed together,
+    from the first in flight to none, they show the link. A period whose reads brought nothing (they
+    timed out, or found nothing) is left out: it says nothing of the throughput.
+    """
+
+    periods: int = 0
+    seconds: float = 0.0  # the periods' length, in all
+    nbytes: int = 0  # what their reads brought, in all
+    _in_flight: int = 0
+    _since: float = 0.0
+    _brought: int = 0
+
+    def begin(self) -> None:
+        """A read starts."""
+        if not self._in_flight:
+            self._since, self._brought = time.perf_counter(), 0
+        self._in_flight += 1
+
+    def end(self, nbytes: int) -> None:
+        """A read that :meth:`begin` started ended, bringing ``nbytes`` (0: nothing)."""
+        self._in_flight -= 1
+        self._brought += nbytes
+        if not self._in_flight and self._brought:
+            self.periods += 1
+            self.seconds += time.perf_counter() - self._since
+            self.nbytes += self._brought

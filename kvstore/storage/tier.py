@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
@@ -189,16 +188,22 @@ class ChunkTier:
         must stay reserved until ``on_end``, or be fenced (``fences``, ``cancel_with_caller``).
         A counted read feeds the tier's read latency and throughput (the load planner's).
         """
-        found = await self.health.run(
-            lambda attempt: self.read_many_into(keys, outs, fences, counted, attempt, lossy),
-            timeout,
-            latency=self.latency.read if counted else None,
-            on_end=on_end,
-            blame=blame,
-            cancel_with_caller=cancel_with_caller,
-        )
+        transfer = self.latency.transfer
         if counted:
-            self.latency.read_chunks += sum(found)
+            transfer.begin()
+        found: list[bool] = []
+        try:
+            found = await self.health.run(
+                lambda attempt: self.read_many_into(keys, outs, fences, counted, attempt, lossy),
+                timeout,
+                latency=self.latency.read if counted else None,
+                on_end=on_end,
+                blame=blame,
+                cancel_with_caller=cancel_with_caller,
+            )
+        finally:
+            if counted:
+                transfer.end(sum(found) * self.layout.chunk_nbytes)
         return found
 
     async def write(
@@ -234,12 +239,13 @@ class ChunkTier:
 
     async def read_range(self, key: ChunkKey, start: int, stop: int) -> bytes | None:
         """Bytes ``[start, stop)`` of ``key``'s object (None if absent), timed: the load planner's throughput of
-        the tier as layer streams read it (``latency.span``)."""
-        started = time.perf_counter()
-        data = await self.backend.get(key, (start, stop))
-        if data is not None:
-            self.latency.span.observe(time.perf_counter() - started)
-            self.latency.span_bytes += len(data)
+        the tier as layer streams read it (``latency.transfer``)."""
+        data: bytes | None = None
+        self.latency.transfer.begin()
+        try:
+            data = await self.backend.get(key, (start, stop))
+        finally:
+            self.latency.transfer.end(len(data) if data is not None else 0)
         return data
 
     def count_read(self, nbytes: int) -> None:
