@@ -62,15 +62,7 @@ SUBPROCESS_TIMEOUT = 600
 def on_scheduler(call: Callable[[], T], what: str) -> T:
     """``call()`` made on a thread of its own (an engine's scheduler), its result; fails if it has not returned
     within ``GUARD_S`` (it waits for held I/O), instead of hanging."""
-    done: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            done.set_result(call())
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    threading.Thread(target=run, name=f"scheduler: {what}", daemon=True).start()
+    done = in_background(call, f"scheduler: {what}")
     try:
         return done.result(timeout=GUARD_S)
     except concurrent.futures.TimeoutError:
