@@ -68,10 +68,13 @@ def tier_copy(
 def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
     """tests/vllm_support/contract_tier.py, under vLLM's environment (it imports vLLM's types), and in the same
     interpreter (one import of vLLM) the connector's ring loads (contract_layer_loads.py), its scheduler's
-    choice of where a load runs (contract_scheduler.py) and the KV events' wire format against vLLM's classes
-    (contract_events.py), which import them too."""
-    files = ("contract_tier.py", "contract_layer_loads.py", "contract_scheduler.py", "contract_events.py")
-    assert "35 passed" in run_support_tests(vllm_python, *files)
+    choice of where a load runs (contract_scheduler.py), its background loads (contract_whole_loads.py) and the
+    KV events' wire format against vLLM's classes (contract_events.py), which import them too."""
+    files = (
+        "contract_tier.py", "contract_layer_loads.py", "contract_scheduler.py", "contract_whole_loads.py",
+        "contract_events.py",
+    )  # fmt: skip
+    assert "38 passed" in run_support_tests(vllm_python, *files)
 
 
 def test_tier_serves_the_chunks_vllms_cpu_tier_evicted(vllm_python, tiny_llama, tmp_path):
