@@ -1,9 +1,9 @@
 """localstack/docker-compose*.yml, read statically (the test machines have no Docker nor registry).
 
 What would break a user's ``docker compose up`` or leave kvstore pointed at the wrong place: an image
-that can no longer be pulled (MinIO's), a service with no health check, a bucket created before its
-server answers, a required variable Compose would demand from everyone, and settings in
-localstack/README.md that differ from what the compose files give the servers.
+that can no longer be pulled (MinIO's on Docker Hub) or is not pinned, a service with no health check,
+a bucket created before its server answers, a required variable Compose would demand from everyone,
+and settings in localstack/README.md that differ from what the compose files give the servers.
 """
 
 from __future__ import annotations
@@ -62,19 +62,28 @@ def readme_exports(text: str) -> dict[str, str]:
     return pairs
 
 
-def readme_sections() -> tuple[dict[str, str], dict[str, str]]:
-    """The exports for the default stack (SeaweedFS, Redis) and those of the LocalStack section."""
+def readme_sections() -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """The exports for the default stack (SeaweedFS, Redis), and those of the MinIO and LocalStack sections."""
     text = README.read_text()
     docker = text.split("## With Docker", 1)[1]
-    default, localstack = docker.split("### LocalStack", 1)
-    return readme_exports(default), readme_exports(localstack)
+    default, rest = docker.split("### MinIO", 1)
+    minio, localstack = rest.split("### LocalStack", 1)
+    return readme_exports(default), readme_exports(minio), readme_exports(localstack)
 
 
-def test_no_minio_and_every_image_named():
+def test_every_image_named_and_minio_from_quay_at_a_pinned_release():
     for name, (path, service) in ALL.items():
         image = service.get("image", "")
         assert image, f"{path.name}: {name} has no image"
-        assert "minio" not in image.lower(), f"{path.name}: {name} uses {image}: MinIO's images are gone"
+        if "minio" in image.lower():  # Docker Hub's minio/minio is gone; quay.io keeps the releases
+            assert re.fullmatch(r"quay\.io/minio/minio:RELEASE\.[0-9TZ-]+", image), f"{path.name}: {name}: {image}"
+    assert services(MAIN)["minio"]["image"].startswith("quay.io/minio/minio:RELEASE.")
+
+
+def test_minio_is_a_profile_with_its_bucket_and_the_default_stack_is_unchanged():
+    main = services(MAIN)
+    assert main["minio"]["profiles"] == main["minio-bucket"]["profiles"] == ["minio"]
+    assert all("profiles" not in main[name] for name in ("seaweedfs", "seaweedfs-bucket", "redis"))
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -91,7 +100,7 @@ def test_every_service_has_a_health_check_or_is_the_bucket_creator(name: str):
 
 def test_bucket_creators_wait_for_a_healthy_s3_server():
     creators = {name: entry for name, entry in ALL.items() if is_bucket_creator(name)}
-    assert set(creators) == {"seaweedfs-bucket", "localstack-bucket"}
+    assert set(creators) == {"seaweedfs-bucket", "minio-bucket", "localstack-bucket"}
     for name, (path, service) in creators.items():
         depends = service.get("depends_on")
         assert isinstance(depends, dict) and depends, f"{path.name}: {name} must wait for its S3 server"
@@ -115,7 +124,7 @@ def test_localstack_needs_its_token_and_only_where_it_runs():
 
 
 def test_readme_exports_match_the_compose_files():
-    default, localstack = readme_sections()
+    default, minio, localstack = readme_sections()
     main = services(MAIN)
     seaweedfs, creator = environment(main["seaweedfs"]), environment(main["seaweedfs-bucket"])
     assert default["KVSTORE_S3__BUCKET"] == creator["BUCKET"]
@@ -127,13 +136,20 @@ def test_readme_exports_match_the_compose_files():
     assert default["KVSTORE_REDIS__URL"] == f"redis://127.0.0.1:{published_port(main['redis'], 6379)}/0"
     port = published_port(services(OPTIONAL)["localstack"], 4566)
     assert localstack["KVSTORE_S3__ENDPOINT_URL"] == f"http://127.0.0.1:{port}"
+    # MinIO: the default exports' credentials are its root user, the bucket its creator's, and its own endpoint
+    server, creator = environment(main["minio"]), environment(main["minio-bucket"])
+    assert (server["MINIO_ROOT_USER"], server["MINIO_ROOT_PASSWORD"]) == (
+        default["AWS_ACCESS_KEY_ID"], default["AWS_SECRET_ACCESS_KEY"]
+    ) == (creator["AWS_ACCESS_KEY_ID"], creator["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    assert creator["BUCKET"] == default["KVSTORE_S3__BUCKET"]
+    assert minio == {"KVSTORE_S3__ENDPOINT_URL": f"http://127.0.0.1:{published_port(main['minio'], 9000)}"}
 
 
 def test_readme_names_the_variables_kvstore_reads(monkeypatch: pytest.MonkeyPatch):
     """The README's exports make a StoreConfig with both remote tiers on these servers."""
     from kvstore.config import StoreConfig
 
-    default, _ = readme_sections()
+    default, _, _ = readme_sections()
     for key in [key for key in os.environ if key.startswith("KVSTORE_")]:
         monkeypatch.delenv(key)
     for key, value in default.items():
