@@ -83,6 +83,16 @@ def test_the_site_builds_strictly(site: Path) -> None:
     assert "get_many" in api and "SyncKVStore" in api, "the API reference lacks the store's methods"
 
 
+def test_the_site_wraps_long_code_lines_and_keeps_names_in_tables_whole(site: Path) -> None:
+    """Code blocks wrap at the page's width (not cut, to be scrolled sideways), and a key or variable in a
+    table cell never breaks mid-name (``dram.capaci ty``): docs/stylesheets/extra.css, on every page."""
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"pre > code\s*\{[^}]*white-space:\s*pre-wrap", css), css
+    assert re.search(r"table:not\(\[class\]\) code\s*\{[^}]*white-space:\s*nowrap", css), css
+    for page in ("index.html", "configuration/index.html", "vllm/index.html"):
+        assert "stylesheets/extra.css" in (site / page).read_text(), f"{page} does not link the stylesheet"
+
+
 def test_the_configuration_page_names_every_key_and_its_environment_variable(
     site: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
