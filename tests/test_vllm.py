@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -86,6 +87,13 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     # The pair's chunks (once), the first prompt's, the other prompt's, the tenant's own.
     assert stats["connector"]["saved_chunks"] == 4 * REUSABLE_CHUNKS and stats["store"]["put_duplicate"] == 0
     assert pair["batch_tokens"][0] == pair["batch_tokens"][1] != first["tokens"]
+    # What kvstore says in vLLM's log, formatted as vLLM's lines: each role's store at start (the scheduler's
+    # only looks up: the worker has its own process), and the load, with its tokens and tier.
+    output = report["output"]
+    assert re.search(r"\([\w-]+ pid=\d+\) INFO .* kvstore connector, scheduler \(looks chunks up", output), output
+    assert re.search(r"INFO .* kvstore connector, worker rank 0: namespace '.*; tiers: dram 64\.0 MiB \(lru\)", output)
+    load = f"loads {REUSABLE_CHUNKS * 256:,} tokens ({REUSABLE_CHUNKS} chunks from dram) in the forward pass"
+    assert len(re.findall(rf"kvstore: request \S+ {re.escape(load)}", output)) == 1, output[-3000:]
 
 
 def test_connector_recomputes_what_the_load_planner_finds_faster_to_compute(vllm_python, tiny_llama, tmp_path):

@@ -150,7 +150,7 @@ def run_engine(
         return {"output": result.stdout + result.stderr}
     if result.returncode != 0:
         pytest.fail(f"vLLM engine failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "output": result.stdout + result.stderr}
 
 
 def run_support_tests(python: Path, *names: str) -> str:

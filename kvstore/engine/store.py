@@ -62,6 +62,7 @@ from kvstore.storage.links import PrefixLinks
 from kvstore.storage.tier import ChunkTier
 from kvstore.util.buffers import copy_between, tensor_bytes
 from kvstore.util.threads import in_thread, usable_cores
+from kvstore.util.units import human_bytes
 
 log = logging.getLogger("kvstore")
 OFF_LOOP_COPY_BYTES = 1 << 20  # put copies chunks this large in a thread above a remote tier (see _copy_in)
@@ -727,6 +728,12 @@ class KVStore:
         await self._cascade.join()
 
     # -- introspection ---------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """The store in one line, for a log (no secrets): namespace, layout, DRAM and each tier below, fastest first."""
+        dram = f"dram {human_bytes(self.pool.capacity_bytes)} ({self.config.dram.eviction})"
+        tiers = ", ".join([dram, *(tier.describe() for tier in self.tiers)])
+        return f"namespace {self.namespace!r}; {self.layout.describe()}; tiers: {tiers}"
 
     def stats(self) -> dict[str, dict[str, Any]]:
         queued = {tier: self._cascade.queued(tier) for tier in self.tiers}

@@ -76,6 +76,8 @@ class SyncKVStore:
         # The tiers read on this machine ("dram", a disk): a load from them alone may run inside an engine's
         # forward pass, when expected fast enough; one that needs another tier (Redis, S3, a remote plugin) never.
         self.local_tiers: frozenset[str] = frozenset(("dram", *(tier.name for tier in tiers if tier.is_local)))
+        # The store in one line, for an engine's start-up log: namespace, layout, each tier's place, size and codec.
+        self.description: str = self._store.describe()
 
     @staticmethod
     async def _create(config: StoreConfig, layout: KVLayout, namespace: str, kwargs: dict[str, Any]) -> KVStore:

@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvstore.backends.base import Backend, ObjectRead, ObjectWrite
+from kvstore.backends.registry import default_endpoint, lookup_backend
 from kvstore.codecs import CodecPipeline
 from kvstore.codecs.base import SegmentSpec
 from kvstore.config import BreakerConfig
@@ -145,6 +146,13 @@ class ChunkTier:
     def is_local(self) -> bool:
         """Blocking file I/O on this machine (batched into thread calls), rather than network requests."""
         return self.backend.is_local
+
+    def describe(self) -> str:
+        """This tier for a log line: its name, where it keeps chunks (no secrets), its budget and codec."""
+        spec = lookup_backend(self.name)
+        where = spec.endpoint(self.backend) if spec is not None else default_endpoint(self.backend)
+        budget = f", {human_bytes(self.capacity_bytes)}" if self.capacity_bytes is not None else ""
+        return f"{self.name} {where}{budget} ({self.codec.id}{', encrypted' if self.cipher else ''})"
 
     @property
     def stats(self) -> TierStats:

@@ -7,6 +7,7 @@ array shaped like vLLM's (chunks x row bytes); every call is made as vLLM's sche
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,26 +289,42 @@ def test_the_connector_refuses_every_key_it_and_vllm_do_not_define_with_the_clos
     assert read_options({"cpu_bytes_to_use": 1 << 30}, lambda: "ns").namespace == "ns"
 
 
-def test_the_schedulers_lookup_only_store_starts_no_metrics_exporter(tmp_path):
-    """Where the worker has its own process, the scheduler's store must not take the exporter's port."""
+def test_the_schedulers_lookup_only_store_starts_no_metrics_exporter_and_each_role_says_what_it_uses(tmp_path, caplog):
+    """Where the worker has its own process, the scheduler's store must not take the exporter's port. Each role
+    logs one line at start: the namespace, each tier with its place, size and codec, never a password."""
     from kvstore.connectors.vllm._common import read_options, shared_stores
     from kvstore.layout import KVLayout
     from kvstore.testing.servers import free_port
 
     port = free_port()
-    sections = {"metrics": {"enabled": True, "port": port}, "disk": {"path": str(tmp_path)}}
+    sections = {
+        "metrics": {"enabled": True, "port": port},
+        "dram": {"capacity": "8MiB"},
+        "disk": {"path": str(tmp_path), "capacity": "2GiB"},
+        "redis": {"enabled": True, "url": f"redis://kv:hunter22@127.0.0.1:{free_port()}/0"},  # nobody there
+    }
     options = read_options({"kvstore_config": sections}, lambda: "metrics-check")
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, chunk_tokens=16)
-    lookup = shared_stores.acquire(options, layout, lookup_only=True)
+    caplog.set_level(logging.INFO, logger="kvstore.connectors.vllm")
+    lookup = shared_stores.acquire(options, layout, "connector, scheduler", lookup_only=True)
     try:
         assert lookup.metrics_port is None
-        worker = shared_stores.acquire(options, layout)
+        worker = shared_stores.acquire(options, layout, "connector, worker rank 0")
         try:
             assert worker.metrics_port == port
         finally:
             shared_stores.release(worker)
     finally:
         shared_stores.release(lookup)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.connectors.vllm"]
+    scheduler, worker_line = (next(line for line in lines if role in line) for role in ("scheduler", "worker rank 0"))
+    assert "looks chunks up" in scheduler and "looks chunks up" not in worker_line
+    for line in (scheduler, worker_line):
+        assert "namespace 'metrics-check'" in line and "2 layers" in line, line
+        assert f"disk {tmp_path}" in line and "2.0 GiB (identity)" in line, line
+        assert "redis redis://kv:***@127.0.0.1" in line and "(byteplanes)" in line, line
+    assert "dram 8.0 MiB (lru)" in worker_line, worker_line
+    assert not [line for line in caplog.messages if "hunter22" in line], "a password was logged"
 
 
 def test_the_tier_reports_its_stores_counters_for_vllms_metrics(tier):

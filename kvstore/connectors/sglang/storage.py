@@ -188,12 +188,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.pages, self.namespace = pages, namespace
         self._seed = namespace_seed(pages.layout, namespace)
         log.info(
-            "kvstore HiCache storage for %s opened: %s pages (%s); tiers: %s; %s",
-            namespace,
+            "kvstore HiCache storage (%s) opened for %s pages: %s",
+            "writer" if self.is_writer else "reader; MLA: rank 0 writes",
             pages.host_layout,
-            pages.layout.describe(),
-            ", ".join(self.store.tier_names),
-            "writer" if self.is_writer else "reader (MLA: rank 0 writes)",
+            self.store.description,
         )
 
     def chunk_key(self, page_key: str) -> ChunkKey:

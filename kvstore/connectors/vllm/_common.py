@@ -68,6 +68,23 @@ class KVStoreOptions:
     max_background_bytes: int
 
 
+def log_with_vllm() -> None:
+    """kvstore's log lines in vLLM's log, formatted as vLLM's own (process, level, time, file); idempotent.
+
+    vLLM configures its ``vllm`` logger only (not propagating to the root), so by Python's default
+    kvstore's INFO lines (each role's store at start, each load) would go nowhere. Where logging was
+    configured otherwise (handlers on the root logger or on ``kvstore``, or vLLM's own turned off
+    with ``VLLM_CONFIGURE_LOGGING=0``), nothing is changed.
+    """
+    ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def read_options(
     extra: Mapping[str, Any],
     namespace: Callable[[], str],
@@ -267,7 +284,8 @@ class _SharedStores:
         self._lock = threading.Lock()
         self._stores: dict[str, tuple[SyncKVStore, int]] = {}
 
-    def acquire(self, options: KVStoreOptions, layout: KVLayout, lookup_only: bool = False) -> SyncKVStore:
+    def acquire(self, options: KVStoreOptions, layout: KVLayout, role: str, lookup_only: bool = False) -> SyncKVStore:
+        """The store for ``options`` and ``layout``, opened or shared; logs one line saying what ``role`` uses."""
         ident = self._ident(options, layout)
         with self._lock:
             store, users = self._stores.get(ident, (None, 0))
@@ -277,17 +295,14 @@ class _SharedStores:
                 config.dram.pin_memory = "never"
                 config.metrics.enabled = False  # the worker's store exports; a second exporter wants its port
                 config.events.enabled = False  # the worker's store publishes what it stores
-                return SyncKVStore(config, layout, options.namespace)  # not shared: release() closes it
+                lookups = SyncKVStore(config, layout, options.namespace)  # not shared: release() closes it
+                log.info("kvstore %s (looks chunks up; the worker's store reads them): %s", role, lookups.description)
+                return lookups
             if store is None:
                 store = SyncKVStore(options.config, layout, options.namespace)
-                log.info(
-                    "kvstore for %s opened: %s; tiers: %s",
-                    options.namespace,
-                    layout.describe(),
-                    ", ".join(store.tier_names),
-                )
             self._stores[ident] = (store, users + 1)
-            return store
+        log.info("kvstore %s: %s", role, store.description)
+        return store
 
     def release(self, store: SyncKVStore) -> None:
         with self._lock:

@@ -54,7 +54,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvstore.connectors.identity import require_one_namespace
 from kvstore.connectors.paged import CANONICAL_FORMATS, PagedLayer
-from kvstore.connectors.vllm._common import name_events, read_options, shared_stores, vllm_namespace
+from kvstore.connectors.vllm._common import log_with_vllm, name_events, read_options, shared_stores, vllm_namespace
 from kvstore.connectors.vllm.engine_config import (
     attention_groups,
     engine_layer,
@@ -92,6 +92,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_with_vllm()
         transfer = self._kv_transfer_config
         model = vllm_config.model_config
         cache_dtype = vllm_config.cache_config.cache_dtype
@@ -133,7 +134,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.ranks = TensorParallelRanks.of_vllm_worker() if role == KVConnectorRole.WORKER else TensorParallelRanks()
         self.store: SyncKVStore | None = None
         if self.ranks.is_reader:
-            self.store = shared_stores.acquire(options, self.layout, lookup_only=role == KVConnectorRole.SCHEDULER)
+            scheduler = role == KVConnectorRole.SCHEDULER
+            where = "connector, scheduler" if scheduler else f"connector, worker rank {self.ranks.rank}"
+            self.store = shared_stores.acquire(options, self.layout, where, lookup_only=scheduler)
         self.counters = {
             "lookups": 0,
             "lookup_errors": 0,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.connectors.attention_groups import AttentionGroup, loaded_blocks, saved_blocks
+from kvstore.connectors.load_log import LoadLog
 from kvstore.connectors.vllm.chunk_identity import chunk_identity
 from kvstore.connectors.vllm.engine_config import request_extra
 from kvstore.connectors.vllm.step_metadata import BlockRun, KVStoreConnectorMetadata, LoadSpec, SaveSpec
@@ -117,6 +118,7 @@ class ConnectorScheduler:
         self._saved_limit = saved_limit
         self._prefill_clock = prefill_clock
         self._hash_block_size = hash_block_size
+        self._load_log = LoadLog(log)  # one INFO line per load, at most one every 10 s (the rest summed)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
@@ -231,6 +233,10 @@ class ConnectorScheduler:
             background=state.background,
         )
         state.loading = (first_chunk, state.load)
+        if state.load.keys and state.plan is not None:
+            tiers = state.plan.tiers[first_chunk : first_chunk + len(state.load.keys)]
+            where = "in the background" if state.background else "in the forward pass"
+            self._load_log.load(request.request_id, num_external_tokens, tiers, where)
         if state.background:  # asynchronous: sent with the next step, which does not schedule the request
             self._background[request.request_id] = len(state.load.keys) * self._held_store().layout.chunk_nbytes
             self.counters["background_loads"] += 1
@@ -241,6 +247,7 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         self._prefill_clock.step(scheduler_output.total_num_scheduled_tokens)
+        self._load_log.tick()
         meta = KVStoreConnectorMetadata(loads=self._unsent_loads, chunk_identities=self._unsent_names)
         self._unsent_loads, self._unsent_names = [], {}
         progress: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, and after it)

@@ -41,6 +41,7 @@ from kvstore.connectors.identity import default_namespace
 from kvstore.connectors.vllm._common import (
     FP8_KV_DTYPES,
     kv_values_dtype,
+    log_with_vllm,
     read_options,
     refuse_split_layers_or_tokens,
     shared_stores,
@@ -277,6 +278,7 @@ class KVStoreTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        log_with_vllm()
         model = offloading_spec.config.model
         engine = engine_config(model.name)
         # Its own dict in secondary_tiers: vLLM takes out type, module_path, backpressure and locality.
@@ -289,7 +291,7 @@ class KVStoreTier(SecondaryTierManager):
         self._seed = namespace_seed(self.layout, settings.namespace)
         rows = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's own memory
         self._rows = rows[:, : self.row_order.chunk_bytes].view(torch.uint8)
-        self.store = shared_stores.acquire(settings, self.layout)
+        self.store = shared_stores.acquire(settings, self.layout, "KVStoreTier")
         self._finished: collections.deque[JobResult] = collections.deque()
         self._jobs: dict[int, concurrent.futures.Future[JobResult]] = {}
         self._job_keys: dict[int, tuple[bool, list[OffloadKey]]] = {}  # job -> (is a load, keys)
