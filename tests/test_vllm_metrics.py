@@ -68,3 +68,6 @@ def test_kvstores_metrics_are_on_vllms_metrics_page(vllm_python: Path, tiny_llam
     assert found.get("vllm:kvstore_chunks_put_total", 0) >= 2, found  # the first prompt's two chunks, at least
     if integration == "connector":
         assert found["vllm:kvstore_connector_saved_chunks_total"] >= 2, found
+        # Counters nothing moved have a value too (0), not a bare description: per tier as well.
+        assert found.get("vllm:kvstore_connector_load_failures_total") == 0, found
+        assert found.get('vllm:kvstore_tier_timeouts_total{tier="disk"}') == 0, found

@@ -358,14 +358,21 @@ def test_the_connectors_metrics_register_and_observe_on_a_prometheus_registry():
 
     registry = CollectorRegistry()
     kinds = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
-    vllm_config = SimpleNamespace(kv_transfer_config=None)
+    extra = {"kvstore_config": {"disk": {"path": "/nonexistent/kvstore"}, "redis": {"enabled": True}}}
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
     prom = KVStoreConnector.build_prom_metrics(vllm_config, kinds, ["model_name", "engine"], {0: ["m", "0"]})
+    value = registry.get_sample_value
+    # Before any report every counter reads 0, per configured tier too; a gauge has no value yet.
+    for tier in ("disk", "redis"):
+        assert value("vllm:kvstore_tier_hits_total", {"model_name": "m", "engine": "0", "tier": tier}) == 0
+    assert value("vllm:kvstore_chunk_hits_total", {"model_name": "m", "engine": "0"}) == 0
+    assert value("vllm:kvstore_connector_loaded_chunks_total", {"model_name": "m", "engine": "0"}) == 0
+    assert value("vllm:kvstore_tier_up", {"model_name": "m", "engine": "0", "tier": "disk"}) is None
     report = StatsReport()
     stats = {"connector": {"saved_chunks": 3}, "store": {"puts": 3}, "disk": {"bytes_written": 7, "breaker": {}}}
     payload = KVStoreConnector.build_kv_connector_stats(report.take(stats).data)
     prom.observe(payload.data, engine_idx=0)
     prom.observe(report.take({**stats, "store": {"puts": 5}}).data, engine_idx=0)
-    value = registry.get_sample_value
     assert value("vllm:kvstore_chunks_put_total", {"model_name": "m", "engine": "0"}) == 5
     assert value("vllm:kvstore_connector_saved_chunks_total", {"model_name": "m", "engine": "0"}) == 3
     assert value("vllm:kvstore_tier_written_bytes_total", {"model_name": "m", "engine": "0", "tier": "disk"}) == 7

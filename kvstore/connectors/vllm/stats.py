@@ -24,7 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
 
+from kvstore.backends.registry import backend_sections
+from kvstore.connectors.vllm._common import read_options
 from kvstore.engine.metrics import COUNTERS, GAUGES
+from kvstore.errors import ConfigError
 
 Stats = Mapping[str, Any]  # KVStore.stats(), plus the connector's counters under "connector"
 
@@ -116,6 +119,17 @@ METRICS: dict[str, Metric] = {
 NOT_TIERS = frozenset({"store", "dram", "adaptive", "connector"})  # every other section of the stats is a tier
 
 
+def configured_tiers(vllm_config: Any) -> list[str]:
+    """The tiers below DRAM the connector's options enable (``disk``, ``redis``, ...); [] if they cannot be read
+    (the connector refuses them, with the reason, where it reads them)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    try:
+        options = read_options(getattr(transfer, "kv_connector_extra_config", None) or {}, lambda: "metrics")
+    except ConfigError:
+        return []
+    return [spec.name for spec, section in backend_sections(options.config) if section.enabled]
+
+
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric, as vLLM's offloading code declares its own (``build_metric_definitions``)."""
     return {name: metric.metadata() for name, metric in METRICS.items()}
@@ -165,10 +179,17 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
+        tiers = configured_tiers(vllm_config)
         for name, metric in METRICS.items():
             make = self._counter_cls if metric.kind == "counter" else self._gauge_cls
             labels = [*labelnames, *metric.metadata().labelnames]
             self._metrics[name] = make(name=name, documentation=metric.documentation, labelnames=labels)
+            if metric.kind != "counter":
+                continue  # a gauge has no value before its first report (a 0 would say a tier is down)
+            # Every counter at 0 from the start, not a bare description until it first moves.
+            for engine in per_engine_labelvalues.values():
+                for tier in [()] if metric.read is not None else [(tier,) for tier in tiers]:
+                    self._metrics[name].labels(*engine, *tier)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         stats = OffloadingConnectorStats(data=transfer_stats_data)
