@@ -1,10 +1,12 @@
 """vLLM's KV-event wire format, byte for byte: msgpack ``KVEventBatch`` messages of tagged events.
 
-These structs mirror ``vllm.distributed.kv_events`` (vLLM 0.32): the same field names, order,
-defaults and msgspec options, so a batch encoded here decodes with vLLM's own
-``msgspec.msgpack.Decoder(KVEventBatch)`` into vLLM's classes, and consumers of vLLM's events
-(llm-d's kv-cache-manager, Dynamo's router) read kvstore's without a change. The test suite
-checks both directions against the installed vLLM.
+These structs mirror ``vllm.distributed.kv_events`` of vLLM 0.33 (0.32's, and ``BlockStored``'s
+``lookahead_token_ids``): the same field names, order, defaults and msgspec options, so a batch
+encoded here decodes with vLLM's own ``msgspec.msgpack.Decoder(KVEventBatch)`` into vLLM's
+classes, and consumers of vLLM's events (llm-d's kv-cache-manager, Dynamo's router) read
+kvstore's without a change. A batch is byte for byte 0.33's; 0.32's decoder reads it into the same
+events (fields at their default are left out of the map, and the one 0.32 lacks is skipped where
+set). The test suite checks both directions against the installed vLLM (0.32) and 0.33's structs.
 
 A batch is an array ``[ts, events, data_parallel_rank]``; each event a map whose ``type`` is
 its class name (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), fields at their
@@ -51,6 +53,7 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None  # vLLM 0.33: tokens past each block used in its hash
 
 
 class BlockRemoved(KVCacheEvent):

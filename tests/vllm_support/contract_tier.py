@@ -347,6 +347,13 @@ def test_the_tier_reports_its_stores_counters_for_vllms_metrics(tier):
     assert "vllm:kvstore_chunks_put" not in again and again["vllm:kvstore_tier_up"][("disk",)] == 1
 
 
+def test_the_connector_declines_sleep_mode():
+    """vLLM 0.33 asks before enabling sleep mode, whose remap of the KV caches the connector has not run."""
+    from kvstore.connectors.vllm import KVStoreConnector
+
+    assert KVStoreConnector.supports_sleep_mode(SimpleNamespace(kv_connector_extra_config={})) is False
+
+
 def test_the_connectors_metrics_register_and_observe_on_a_prometheus_registry():
     """KVStoreConnector.build_prom_metrics: every payload counter lands on the registry vLLM gives it."""
     from functools import partial

@@ -341,6 +341,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return OffloadingConnectorStats(data=data) if data is not None else OffloadingConnectorStats()
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 and later ask this before allowing sleep mode (``--enable-sleep-mode``): not supported.
+
+        The connector keeps views of the engine's KV caches from ``register_kv_caches``, and its
+        background loads copy into them at the ends of steps; sleep unmaps that memory and wake-up
+        remaps it, which has not been run with kvstore (a GPU-only feature). So vLLM refuses the
+        combination at start, with a message naming the connector, rather than risk a copy into
+        unmapped memory. (vLLM 0.32 does not ask.)
+        """
+        return False
+
+    @classmethod
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
