@@ -74,7 +74,7 @@ def test_tier_keeps_the_secondary_tier_contract_call_by_call(vllm_python):
         "contract_tier.py", "contract_layer_loads.py", "contract_scheduler.py", "contract_whole_loads.py",
         "contract_events.py",
     )  # fmt: skip
-    assert "40 passed" in run_support_tests(vllm_python, *files)
+    assert "41 passed" in run_support_tests(vllm_python, *files)
 
 
 def test_tier_serves_the_chunks_vllms_cpu_tier_evicted(vllm_python, tiny_llama, tmp_path):

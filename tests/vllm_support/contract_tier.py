@@ -347,6 +347,15 @@ def test_the_tier_reports_its_stores_counters_for_vllms_metrics(tier):
     assert "vllm:kvstore_chunks_put" not in again and again["vllm:kvstore_tier_up"][("disk",)] == 1
 
 
+def test_the_connector_keeps_cuda_graphs_piecewise_and_checks_its_options_when_vllm_asks():
+    """vLLM asks ``requires_piecewise_for_cudagraph`` while building its configuration (GPU builds, full graphs)."""
+    from kvstore.connectors.vllm import KVStoreConnector
+
+    assert KVStoreConnector.requires_piecewise_for_cudagraph({"kvstore_config": {"dram": {"capacity": "1GiB"}}})
+    with pytest.raises(ConfigError, match="unknown vLLM option 'kv_store_config' for kvstore .*'kvstore_config'"):
+        KVStoreConnector.requires_piecewise_for_cudagraph({"kv_store_config": {}})
+
+
 def test_the_connector_declines_sleep_mode():
     """vLLM 0.33 asks before enabling sleep mode, whose remap of the KV caches the connector has not run."""
     from kvstore.connectors.vllm import KVStoreConnector

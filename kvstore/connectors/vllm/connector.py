@@ -341,6 +341,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return OffloadingConnectorStats(data=data) if data is not None else OffloadingConnectorStats()
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: loads stream layer by layer inside the forward pass (``wait_for_layer_load``) and saves copy
+        layer by layer (``save_kv_layer``), Python between the layers that a full CUDA graph's replay would
+        skip; vLLM then keeps its CUDA graphs piecewise. A request whose prompt is loaded but for its
+        last token makes a step that looks like a decode step, which a full graph would otherwise run.
+
+        vLLM asks while it builds its configuration, in the process that parses the command line and
+        before any engine process starts, wherever full CUDA graphs are on (a GPU build's default). So
+        kvstore's options are checked here too: a wrong one stops ``vllm serve`` in seconds, not after
+        the model has loaded. (vLLM's CPU build does not ask: there the connector checks them when
+        vLLM first builds it.)
+        """
+        read_options(extra_config or {}, lambda: "checked-only")
+        return True
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.33 and later ask this before allowing sleep mode (``--enable-sleep-mode``): not supported.
 
