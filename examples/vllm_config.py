@@ -97,9 +97,15 @@ def main() -> None:
         toml = Path(workdir) / "kvstore.toml"
         toml.write_text(kvstore_toml(Path(workdir) / "chunks", args.redis, args.s3_bucket))
         transfer = transfer_config(toml)
-        print(f"# {toml}\n{toml.read_text()}")
-        print("# the same engine as a server:")
-        print(f"vllm serve {model} --kv-transfer-config {shlex.quote(json.dumps(transfer))}\n")
+        print(f"# {toml} (removed when this script ends: copy it to keep it)\n{toml.read_text()}")
+        print("# the same engine as a server on vLLM's CPU build (`vllm serve` on a GPU build). This model has no")
+        print("# tokenizer: prompts are token ids. A real model to serve: docs/vllm-first-hit.md")
+        server = [
+            "python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
+            "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", "1073741824",
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        print(shlex.join(server) + "\n")
 
         first = in_subprocess(model, transfer)
         files = len(list((Path(workdir) / "chunks").rglob("*.kvc")))
