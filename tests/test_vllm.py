@@ -90,7 +90,7 @@ def test_connector_reuses_a_prefix_from_its_dram_tier_after_vllm_forgets_it(vllm
     # What kvstore says in vLLM's log, formatted as vLLM's lines: each role's store at start (the scheduler's
     # only looks up: the worker has its own process), and the load, with its tokens and tier.
     output = report["output"]
-    assert re.search(r"\([\w-]+ pid=\d+\) INFO .* kvstore connector, scheduler \(looks chunks up", output), output
+    assert re.search(r"INFO .* kvstore connector, scheduler \(looks chunks up", output), output
     assert re.search(r"INFO .* kvstore connector, worker rank 0: namespace '.*; tiers: dram 64\.0 MiB \(lru\)", output)
     load = f"loads {REUSABLE_CHUNKS * 256:,} tokens ({REUSABLE_CHUNKS} chunks from dram) in the forward pass"
     assert len(re.findall(rf"kvstore: request \S+ {re.escape(load)}", output)) == 1, output[-3000:]
