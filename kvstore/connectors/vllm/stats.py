@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
 
-from kvstore.backends.registry import backend_sections
+from kvstore.config import BUILTIN_BACKENDS
 from kvstore.connectors.vllm._common import read_options
 from kvstore.engine.metrics import COUNTERS, GAUGES
 from kvstore.errors import ConfigError
@@ -127,7 +127,9 @@ def configured_tiers(vllm_config: Any) -> list[str]:
         options = read_options(getattr(transfer, "kv_connector_extra_config", None) or {}, lambda: "metrics")
     except ConfigError:
         return []
-    return [spec.name for spec, section in backend_sections(options.config) if section.enabled]
+    config = options.config
+    sections = {name: config.backend_section(name) for name in BUILTIN_BACKENDS} | config.plugin_sections()
+    return [name for name, section in sections.items() if getattr(section, "enabled", False)]
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:

@@ -79,7 +79,7 @@ class _ChunkReads:
     """
 
     def __init__(self, store: SyncKVStore, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]) -> None:
-        self._store, self._keys, self._outs = store, list(keys), list(outs)
+        self.store, self._keys, self._outs = store, list(keys), list(outs)
         self._lock = threading.Lock()
         self._allowed = 1  # reads that may run at once now (widened to READS_IN_FLIGHT)
         self._widened_at = time.monotonic()
@@ -134,7 +134,7 @@ class _ChunkReads:
                     return
                 index, self._next, self._running = self._next, self._next + 1, self._running + 1
             try:
-                call = self._store.get_many_future([self._keys[index]], [self._outs[index]])
+                call = self.store.get_many_future([self._keys[index]], [self._outs[index]])
             except Exception as exc:  # noqa: BLE001 - a closed store: the load fails
                 self._ended(f"the read of chunk {index} did not start: {exc!r}")
                 continue  # (the loop stops: the error is set)
