@@ -13,6 +13,22 @@ machine (importing transformers and dequantizing the GGUF file).
 
 from __future__ import annotations
 
-from kvstore.bench.models import GGUF_NAME, NAMESPACE, document_ids, gguf_path, load_smollm2, question_ids
+from kvstore.bench.models import (
+    GGUF_NAME,
+    NAMESPACE,
+    document_ids,
+    gguf_path,
+    load_smollm2,
+    question_ids,
+    save_model_directory,
+)
 
-__all__ = ["GGUF_NAME", "NAMESPACE", "document_ids", "gguf_path", "load_smollm2", "question_ids"]
+__all__ = [
+    "GGUF_NAME",
+    "NAMESPACE",
+    "document_ids",
+    "gguf_path",
+    "load_smollm2",
+    "question_ids",
+    "save_model_directory",
+]

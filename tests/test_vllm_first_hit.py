@@ -34,8 +34,9 @@ def bash_blocks() -> list[str]:
 
 def test_the_first_hit_page_runs_as_printed(vllm_python: Path, tmp_path: Path) -> None:
     def in_clone(command: str) -> str:
-        """A command of the page, run in another directory: its ``.venv-vllm/bin/python`` is the suite's."""
-        return command.replace(".venv-vllm/bin/python", str(vllm_python))
+        """A command of the page, run in another directory: its ``.venv-vllm/bin/python`` is the suite's, and
+        ``examples/`` the clone's."""
+        return command.replace(".venv-vllm/bin/python", str(vllm_python)).replace(" examples/", f" {ROOT}/examples/")
 
     setup, serve, requests = bash_blocks()
     assert setup.splitlines()[0] == "bash scripts/vllm_env.sh"  # run by the suite's set-up

@@ -54,7 +54,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
 
 def save_model_directory(directory: Path, dtype: torch.dtype = torch.float32) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face model directory (``config.json``, safetensors weights, the
-    tokenizer), the form vLLM and SGLang load; blocks ~30 s. Its weights are the GGUF file's, dequantized."""
+    tokenizer), the form vLLM and SGLang load; blocks ~30 s. Its weights are the GGUF file's, dequantized.
+    ``examples/save_smollm2.py`` is the command (docs/vllm-first-hit.md)."""
     from transformers import AutoModelForCausalLM
 
     tokenizer, loaded = load_smollm2(dtype)
@@ -105,19 +106,3 @@ def question_ids(tokenizer: Any, record: int) -> list[int]:
     return tokenizer(
         f"\nQuestion: where did the person of Record {record} move, and what did they open?\nAnswer:"
     ).input_ids
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m kvstore.bench.models --save DIR``: the model directory an engine serves (docs/vllm-first-hit.md)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m kvstore.bench.models", description=main.__doc__)
-    parser.add_argument("--save", type=Path, required=True, help="the directory to write (made if missing)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    args = parser.parse_args(argv)
-    directory = save_model_directory(args.save, getattr(torch, args.dtype))
-    print(f"SmolLM2-135M-Instruct ({args.dtype}) saved in {directory}")
-
-
-if __name__ == "__main__":
-    main()

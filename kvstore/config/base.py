@@ -26,7 +26,7 @@ ENV_PREFIX = "KVSTORE_"
 CONFIG_FILE_ENV = "KVSTORE_CONFIG"
 # Read by scripts/bootstrap.sh, vllm_env.sh and sglang_env.sh, not by the store: never "unknown" to it.
 SCRIPT_VARIABLES = frozenset(
-    {"KVSTORE_TORCH_VERSION", "KVSTORE_VLLM_VERSION", "KVSTORE_SGLANG_VERSION", "KVSTORE_EXTRAS"}
+    {"KVSTORE_TORCH_VERSION", "KVSTORE_VLLM_VERSION", "KVSTORE_VLLM_VENV", "KVSTORE_SGLANG_VERSION", "KVSTORE_EXTRAS"}
 )
 
 
