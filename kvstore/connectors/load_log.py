@@ -45,18 +45,19 @@ class LoadLog:
             self._chunks.update(tiers)
             return
         line = f"kvstore: request {request} loads {tokens:,} tokens ({_tiers(Counter(tiers))}) {how}"
-        self._say(line + self._summary(), now)
+        self._say(line + self._summary(now), now)
 
     def tick(self) -> None:
         """Once a step: say the loads summed so far, once the interval since the last line has passed."""
-        if self._loads and self._said_at is not None and self._clock() - self._said_at >= self._interval:
-            self._say("kvstore:" + self._summary().removeprefix(";"), self._clock())
+        now = self._clock()
+        if self._loads and self._said_at is not None and now - self._said_at >= self._interval:
+            self._say("kvstore:" + self._summary(now).removeprefix(";"), now)
 
-    def _summary(self) -> str:
+    def _summary(self, now: float) -> str:
         """The loads not said yet, for the end of a line ('' if none)."""
         if not self._loads:
             return ""
-        since = f"in the last {self._clock() - self._said_at:.0f} s" if self._said_at is not None else "before"
+        since = f"in the last {now - self._said_at:.0f} s" if self._said_at is not None else "before"
         plural = "s" if self._loads != 1 else ""
         return f"; {self._loads} load{plural} of {self._tokens:,} tokens ({_tiers(self._chunks)}) {since}"
 
