@@ -52,6 +52,7 @@ ENGINE_GROUPS = {
     "test_vllm_shapes.py": "engine_b",
     "test_vllm_first_hit.py": "engine_b",
     "test_vllm_events.py": "engine_b",
+    "test_vllm_server_commands_parse_with_vllm_and_kvstore": "engine_a",  # tests/test_docs_commands.py
     "test_vllm_prefix_cache_prints_a_row_per_source": "engine_b",  # examples (tests/test_examples.py)
     "test_vllm_config_second_engine_loads_the_prefix_from_disk": "engine_b",
 }

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import TEST_BUCKET
+from support import TEST_BUCKET, check_remote_tier
 
 from kvstore.sizing.traces import read_trace
 from kvstore.testing.servers import RedisServer, SeaweedFSServer
@@ -66,23 +66,6 @@ def without_servers(**variables: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in SERVER_VARIABLES}, **variables}
 
 
-def check_remote_tier(out: str, tier: str, stores: str) -> None:
-    """4 chunks stored compressed (lossless, > 1.3x: bf16 exponent bytes), found and streamed back bit-exact."""
-    stored = re.search(
-        rf"^put 4 chunks; {tier} stores 4 {stores}: ([\d.]+) MiB for 22.5 MiB of KV, ([\d.]+)x", out, re.M
-    )
-    assert stored is not None, out
-    assert float(stored[2]) > 1.3, out  # measured 1.44x; real SmolLM2 KV gets the same
-    assert "finds 4 of 4 chunks of the prompt" in out, out
-    assert "4 of 4 chunks streamed back exactly, layer by layer" in out, out
-
-
-def test_s3_tier_starts_moto_without_an_endpoint():
-    out = run_example("s3_tier.py", env=without_servers())
-    assert re.search(r"^no S3 endpoint set .*: started moto at http://127\.0\.0\.1:\d+$", out, re.M), out
-    check_remote_tier(out, "S3", "objects")
-
-
 def test_s3_tier_on_a_given_endpoint(seaweedfs_server: SeaweedFSServer):
     """SeaweedFS checks signatures: the example's requests carry the caller's AWS credentials."""
     keys = {k: v for k, v in seaweedfs_server.credentials_env().items() if k not in SERVER_VARIABLES}
@@ -93,11 +76,7 @@ def test_s3_tier_on_a_given_endpoint(seaweedfs_server: SeaweedFSServer):
     check_remote_tier(out, "S3", "objects")
 
 
-def test_redis_tier_starts_redis_without_a_url():
-    out = run_example("redis_tier.py", env=without_servers())
-    assert re.search(r"^no REDIS_URL or --url: started redis-server at redis://127\.0\.0\.1:\d+/0$", out, re.M), out
-    check_remote_tier(out, "Redis", "values")
-    assert "with ttl 1 s: 4 of 4 chunks written; 1.5 s unread, 0 left" in out, out  # expired: the ttl works
+# Without a server configured, the examples start their own: the quickstart's commands (tests/test_docs_commands.py).
 
 
 def test_redis_tier_on_redis_url(redis_server: RedisServer):

@@ -33,7 +33,6 @@ from pydantic import BaseModel
 from kvstore.backends.base import Backend
 from kvstore.config import (
     BACKEND_ENTRY_POINTS,
-    BUILTIN_BACKENDS,
     BackendSection,
     StoreConfig,
     TimeoutConfig,
@@ -187,10 +186,9 @@ def backend_sections(config: StoreConfig) -> list[tuple[BackendSpec[Any], Sectio
     where the configuration gives their section. Callers keep the enabled ones.
     """
     found: list[tuple[BackendSpec[Any], SectionSettings]] = []
-    for name in (*BUILTIN_BACKENDS, *config.plugin_sections()):
+    for name, section in config.backend_sections().items():
         spec = lookup_backend(name)
-        section = config.backend_section(name)
-        if spec is None or section is None:
+        if spec is None:
             raise RuntimeError(f"backend {name!r} has a section in the configuration but no spec registered")
         found.append((spec, cast(SectionSettings, section)))
     return sorted(found, key=lambda pair: (pair[0].rank, pair[0].name))

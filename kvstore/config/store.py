@@ -138,6 +138,14 @@ class StoreConfig(BaseSettings):
         """The sections this configuration gives of backends from other packages, by backend name."""
         return dict(self._plugin_sections)
 
+    def backend_sections(self) -> dict[str, BaseModel]:
+        """Every backend section, enabled or not, by backend name: the built-in ones, then other packages'."""
+        return {name: cast(BaseModel, getattr(self, name)) for name in BUILTIN_BACKENDS} | self._plugin_sections
+
+    def enabled_backends(self) -> list[str]:
+        """The names of the backends this configuration turns on (the tiers below DRAM), in section order."""
+        return [name for name, section in self.backend_sections().items() if getattr(section, "enabled", False)]
+
     @model_validator(mode="after")
     def _auto_bounds(self) -> StoreConfig:
         low, high = self.dram_bounds()

@@ -24,7 +24,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
 
-from kvstore.config import BUILTIN_BACKENDS
 from kvstore.connectors.vllm._common import read_options
 from kvstore.engine.metrics import COUNTERS, GAUGES
 from kvstore.errors import ConfigError
@@ -127,9 +126,7 @@ def configured_tiers(vllm_config: Any) -> list[str]:
         options = read_options(getattr(transfer, "kv_connector_extra_config", None) or {}, lambda: "metrics")
     except ConfigError:
         return []
-    config = options.config
-    sections = {name: config.backend_section(name) for name in BUILTIN_BACKENDS} | config.plugin_sections()
-    return [name for name, section in sections.items() if getattr(section, "enabled", False)]
+    return options.config.enabled_backends()
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
