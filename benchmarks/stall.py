@@ -51,6 +51,7 @@ from typing import Any
 import numpy
 
 from benchmarks import serving  # the model, vLLM's commands, the server's process group, /health, /metrics
+from kvstore.bench.machine import describe_machine
 from kvstore.testing.servers import RedisServer
 from kvstore.testing.slow_proxy import SlowProxy
 
@@ -384,14 +385,6 @@ def markdown_table(runs: Sequence[Run]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    """CPU model, the flags that choose vLLM's CPU kernels, cores, load average."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.partition(":")[2].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = " ".join(sorted({"avx2", "avx512f", "amx_tile"} & set(info.split()))) or "-"
-    return f"{model}; flags {flags}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}"
-
-
 # -- the command ----------------------------------------------------------------------------------
 
 
@@ -439,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     bench = Bench(setup, model, prefix_prompts(setup, vocab), args.port, args.limit)
     prefix_mb = setup.prefix_tokens // CHUNK_TOKENS * CHUNK_TOKENS * setup.layers * 2 * 3 * 64 * 4 / 1e6  # K, V f32
-    print(f"machine: {machine()}\ncommand: {command}", flush=True)
+    print(f"machine: {describe_machine()}\ncommand: {command}", flush=True)
     print(
         f"model {model.name}; {setup.prefixes} prefixes of {setup.prefix_tokens} tokens, each "
         f"{setup.prefix_tokens // CHUNK_TOKENS} chunks = {prefix_mb:.0f} MB of KV (less in Redis, after its codec); "
@@ -469,7 +462,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(markdown_table(runs))
     if args.out:
-        report = {"machine": machine(), "command": command, "setup": asdict(setup), "runs": [asdict(r) for r in runs]}
+        report = {
+            "machine": describe_machine(),
+            "command": command,
+            "setup": asdict(setup),
+            "runs": [asdict(r) for r in runs],
+        }
         args.out.write_text(json.dumps(report, indent=2))
 
 

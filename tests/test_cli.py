@@ -35,12 +35,16 @@ def test_demo_runs_the_cascade_and_every_chunk_comes_back(tmp_path: Path) -> Non
 
 
 def test_bench_prints_ratios_against_baselines_measured_in_the_same_run(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["bench", "--mib", "8", "--repeats", "1", "--dir", str(tmp_path)])
+    result = runner.invoke(app, ["bench", "--mib", "8", "--repeats", "1", "--dir", str(tmp_path), "--disk-parts"])
     assert result.exit_code == 0, result.output
+    assert re.search(r"^machine: .*; flags .*; \d+ cores; torch threads \d+; load average", result.output, re.M)
     operations = ("DRAM put", "DRAM get", "disk put+flush", "disk get_many (warm)", "disk get_many (cold)")
     for operation in (*operations, "internal: tier write", "internal: tier read (warm)", "internal: tier read (cold)"):
         assert operation in result.output
-    assert len(re.findall(r"\d+\.\d\dx", result.output)) == 16  # one ratio per layout and operation
+    assert len(re.findall(r"│\s+\d+\.\d\dx │", result.output)) == 16  # one ratio per layout and operation
+    # --disk-parts: each stage of a disk put, per layout, and the path's ratio to each baseline
+    assert len(re.findall(r"checksums \+ write, a run at a time \(the tier\)", result.output)) == 2
+    assert len(re.findall(r"put \+ flush at \d+\.\d\dx", result.output)) == 6
     assert "bytesplit" in result.output and "rms rel" in result.output
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
 

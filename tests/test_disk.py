@@ -788,6 +788,59 @@ async def test_tier_reads_straight_into_a_dram_slot(disk: DiskBackend, codec: st
     assert tier.stats.hits == 3
 
 
+# A layout whose chunk spans several write runs (CHECK_HOT_BYTES each): 3 runs of 2 layers, then 1.
+RUNS_LAYOUT = KVLayout(num_layers=7, num_kv_heads=8, head_dim=64, chunk_tokens=256)  # 512 KiB a layer
+
+
+async def test_an_identity_chunk_is_written_a_run_at_a_time_into_the_same_bytes(disk: DiskBackend, monkeypatch):
+    """The tier writes each run of layers right after checksumming it, the header last: the file holds exactly the
+    container encode_chunk makes (header, segment table, checksums, the parent's record), and reads back bit-exact."""
+    import kvstore.backends.files as files_module
+
+    assert container.CHECK_HOT_BYTES // RUNS_LAYOUT.layer_nbytes == 2
+    writes: list[int] = []
+    real_write = files_module.write_fully
+    monkeypatch.setattr(
+        files_module, "write_fully", lambda fd, views: (writes.append(len(views)), real_write(fd, views))
+    )
+    tier = make_tier(disk, "identity", RUNS_LAYOUT)
+    parent, key, chunk = hexkey("parent"), hexkey("child"), make_chunk(3, RUNS_LAYOUT)
+    tier.links.note(key, parent)
+    await write_chunk(tier, key, chunk_view(chunk))
+    assert writes == [2, 2, 2, 1]  # one write per run, header not among them (written at offset 0 last)
+    expected = encode_chunk(RUNS_LAYOUT, key, chunk_view(chunk), make_codec("identity"), None, None, None, parent)
+    assert disk.path_for(key).read_bytes() == b"".join(bytes(part) for part in expected)
+    out = torch.empty(RUNS_LAYOUT.chunk_shape, dtype=RUNS_LAYOUT.dtype)
+    assert await read_chunk(tier, key, tensor_bytes(out))
+    assert torch.equal(out.view(torch.int16), chunk.view(torch.int16))
+
+
+async def test_a_streamed_write_that_meets_a_full_disk_is_written_again_whole(tmp_path: Path, monkeypatch):
+    """ENOSPC in the middle of a run-at-a-time write: the oldest file makes room and the chunk is written from its
+    first run again (not from where the failed attempt stopped)."""
+    import kvstore.backends.files as files_module
+
+    backend = await open_backend(tmp_path / "disk", capacity=1 << 30)
+    await backend.set(hexkey("old"), [os.urandom(1000)])
+    real_write, failures = files_module.write_fully, [1]
+
+    def full_on_the_second_run(fd, views):
+        if failures and os.lseek(fd, 0, os.SEEK_CUR) > header_size(RUNS_LAYOUT.num_layers, "identity"):
+            failures.pop()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, views)
+
+    monkeypatch.setattr(files_module, "write_fully", full_on_the_second_run)
+    tier = make_tier(backend, "identity", RUNS_LAYOUT)
+    key, chunk = hexkey("big"), make_chunk(4, RUNS_LAYOUT)
+    await write_chunk(tier, key, chunk_view(chunk))
+    assert not failures and not backend.path_for(hexkey("old")).exists()
+    expected = encode_chunk(RUNS_LAYOUT, key, chunk_view(chunk), make_codec("identity"))
+    assert backend.path_for(key).read_bytes() == b"".join(bytes(part) for part in expected)
+    assert temporaries_under(backend.root) == []
+    await backend.close()
+
+
 async def test_identity_codec_uses_the_scatter_path(disk: DiskBackend, monkeypatch):
     tier = make_tier(disk, "identity")
     key, chunk = hexkey("direct"), make_chunk(7)

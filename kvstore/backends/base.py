@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from kvstore.backends.maintenance import Maintenance
 from kvstore.util.buffers import Buffer, as_bytes_view
@@ -57,6 +57,23 @@ class ObjectWrite:
     key: str
     encode: Callable[[], Sequence[Buffer]]  # the object's parts, in order (a gather list)
     parent: str | None = None  # the key of the chunk before it in its prefix, where known (see set_link)
+    # The same bytes made a run at a time, where the object allows it (None: use encode). A backend
+    # writing files writes each run while it is still in the CPU's cache, and the head last.
+    stream: Callable[[], StreamedObject] | None = None
+
+
+class StreamedObject(NamedTuple):
+    """An object's bytes made as they are written: ``head_length`` bytes of head, then ``body``'s runs in order.
+
+    Each run of ``body`` is made (checksummed) right before it is handed over, so a writer that
+    writes it at once reads it from the CPU's cache, not from memory. ``head()`` gives the head,
+    only once ``body`` is exhausted; ``length`` is the whole object's.
+    """
+
+    length: int
+    head_length: int
+    body: Iterator[Sequence[Buffer]]
+    head: Callable[[], Buffer]
 
 
 @dataclass(frozen=True, slots=True)

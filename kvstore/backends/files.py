@@ -1,5 +1,6 @@
-"""Plain file I/O for the disk backend: vectored reads and writes that finish what they start,
-an open file for positioned reads, and the walk over the ``namespace/ab/cd/file`` shard layout.
+"""Plain file I/O for the disk backend: vectored reads and writes that finish what they start, an
+object written a run at a time, an open file for positioned reads, and the walk over the
+``namespace/ab/cd/file`` shard layout.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvstore.backends.base import StreamedObject
 from kvstore.keys import is_namespace_dir
+from kvstore.util.buffers import as_bytes_view
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -120,6 +123,22 @@ def write_fully(fd: int, views: list[memoryview]) -> None:
     pending = [v for v in views if len(v)]
     while pending:
         _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
+
+
+def pwrite_fully(fd: int, data: memoryview, offset: int) -> None:
+    """Write every byte of ``data`` at ``offset``, leaving the file position where it was."""
+    while data:
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
+def write_stream(fd: int, stream: StreamedObject) -> None:
+    """Write ``stream`` into the empty file ``fd``: its body's runs in order, each as soon as it is made, after
+    room for its head; then its head at the start."""
+    os.lseek(fd, stream.head_length, os.SEEK_SET)
+    for run in stream.body:
+        write_fully(fd, [as_bytes_view(part) for part in run])
+    pwrite_fully(fd, as_bytes_view(stream.head()), 0)
 
 
 def read_fully(fd: int, views: list[memoryview], offset: int, size: int) -> int:

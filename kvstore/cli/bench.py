@@ -24,6 +24,7 @@ from kvstore.cli.console import EXIT_ERRORS, console, fail, make_table
 from kvstore.util.units import GB, MB, MiB, per_second
 
 if TYPE_CHECKING:  # kvstore.bench sits below the CLI; imported for real inside the command (see the docstring)
+    from kvstore.bench.disk_parts import Part
     from kvstore.bench.local import CodecRow, Row
     from kvstore.bench.prefetch import OverlapRow
     from kvstore.bench.ttft import TTFTRow
@@ -46,6 +47,9 @@ def bench(
     ] = None,
     fsync: Annotated[bool, typer.Option(help="fsync every file (tier and baseline alike)")] = False,
     codecs: Annotated[bool, typer.Option(help="also measure codecs on the real KV sample")] = True,
+    disk_parts: Annotated[
+        bool, typer.Option(help="also time each stage of a disk put + flush alone (where its time goes)")
+    ] = False,
     sample: Annotated[
         Path | None, typer.Option(exists=True, dir_okay=False, help="real KV sample (.npy, bf16 bits as uint16)")
     ] = None,
@@ -84,8 +88,11 @@ def bench(
     """Tier throughput against memcpy, raw file I/O and raw S3/Redis clients, measured in the same run."""
     names = _remote_names(remote, remote_layout)  # checked before the local bench spends minutes
     accuracy_names = _accuracy_codecs(accuracy, accuracy_codecs)
+    from kvstore.bench.machine import describe_machine
+
+    console.print(f"machine: {describe_machine()}", markup=False, highlight=False, soft_wrap=True)
     if local:
-        _bench_local(mib, repeats, directory, fsync, codecs, sample)
+        _bench_local(mib, repeats, directory, fsync, codecs, sample, disk_parts)
     if names:
         _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
     if prefetch:
@@ -168,18 +175,41 @@ def overlap_table(rows: Sequence[OverlapRow], target: float) -> Table:
     return table
 
 
+def parts_table(title: str, parts: Sequence[Part]) -> Table:
+    """Each stage's milliseconds and GB/s: a stage's share of the path through the API (put + flush), or the path's
+    speed as a ratio of a baseline's."""
+    table = make_table(title, ("layout", "stage", "ms", "GB/s", "share, or ratio"), left=("layout", "stage"))
+    whole: dict[str, float] = {}
+    for part in parts:
+        whole.setdefault(part.layout, part.seconds)  # each layout's first part is the whole path
+        speed = "" if part.kind == "rest" else f"{per_second(part.nbytes, part.seconds, GB):.2f}"
+        if part.kind == "baseline":
+            share = f"put + flush at {part.seconds / whole[part.layout]:.2f}x"
+        else:
+            share = f"{part.seconds / whole[part.layout]:.0%}" + (" (not added)" if part.kind == "detail" else "")
+        table.add_row(part.layout, part.stage, f"{part.seconds * 1e3:.1f}", speed, share)
+    return table
+
+
 # -- the parts of a run -------------------------------------------------------------------------
 
 
 def _bench_local(
-    mib: int, repeats: int, directory: Path | None, fsync: bool, codecs: bool, sample: Path | None
+    mib: int, repeats: int, directory: Path | None, fsync: bool, codecs: bool, sample: Path | None, parts: bool
 ) -> None:
-    """DRAM and disk against memcpy and raw file I/O, then codecs in one thread."""
+    """DRAM and disk against memcpy and raw file I/O, the stages of a disk put if asked, then codecs in one thread."""
     from kvstore.bench import local as b
 
     rows, _ = asyncio.run(b.run(mib, repeats, directory, fsync))
     title = f"kvstore bench: {mib} MiB per row, best of {repeats}, fsync={'on' if fsync else 'off'}"
     console.print(ratio_table(title, rows, "GB/s"))
+    if parts:
+        from kvstore.bench.disk_parts import run_disk_parts
+
+        title = (
+            f"where a disk put + flush spends its time: {mib} MiB, best of {repeats}, fsync={'on' if fsync else 'off'}"
+        )
+        console.print(parts_table(title, asyncio.run(run_disk_parts(mib, repeats, directory, fsync))))
     if codecs:
         path = sample or b.default_sample_path()
         if path is None:

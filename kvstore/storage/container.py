@@ -41,7 +41,7 @@ chunk_reads.py, layer_reader.py).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,6 +49,7 @@ from typing import NamedTuple, TypeVar
 
 import xxhash
 
+from kvstore.backends.base import StreamedObject
 from kvstore.codecs import MAX_CODEC_NAME, CodecPipeline, SegmentSpec, make_codec
 from kvstore.errors import ChunkFormatError, CodecError, DecryptionError, ForeignChunkError
 from kvstore.keys import ChunkKey, key_to_bytes
@@ -72,7 +73,8 @@ MAX_LAYERS = 4096
 HEADER_ALIGN = 4096
 FLAG_ENCRYPTED = 1
 PARALLEL_MIN_BYTES = 1 << 20  # a smaller chunk's layers are encoded and decoded in one thread
-CHECK_HOT_BYTES = 1 << 20  # a file reader reads this much, then checksums it while it is still in L2 cache
+CHECK_HOT_BYTES = 1 << 20  # a file reader reads (a file writer writes) this much at once, checksummed while in L2 cache
+IDENTITY_ID = "identity"  # the codec id of bytes stored as they are
 
 
 def checksum(data: Buffer) -> int:
@@ -281,6 +283,41 @@ def encode_chunk(
     key_id = None if cipher is None else cipher.key_id
     header = encode_header(layout, key, codec.id, [segment for _, segment in encoded], key_id, name, parent)
     return [header, *(stored for stored, _ in encoded)]
+
+
+def stream_plain_chunk(
+    layout: KVLayout,
+    key: ChunkKey,
+    chunk: Buffer,
+    name: bytes | int | None = None,
+    parent: ChunkKey | None = None,
+) -> StreamedObject:
+    """:func:`encode_chunk`'s bytes for the identity codec without a cipher, made a run of layers at a time.
+
+    Each run (about :data:`CHECK_HOT_BYTES`) is checksummed right before it is handed to the
+    writer, so the write reads it from the CPU's cache: the checksums cost no pass over memory of
+    their own. The header, which holds them, comes last (blocking).
+    """
+    raw = as_bytes_view(chunk)
+    if len(raw) != layout.chunk_nbytes:
+        raise ValueError(f"chunk is {len(raw)} bytes, layout needs {layout.chunk_nbytes}")
+    step, layers = layout.layer_nbytes, layout.num_layers
+    per_run = max(1, CHECK_HOT_BYTES // step)
+    segments: list[Segment] = []
+
+    def body() -> Iterator[list[memoryview]]:
+        for first in range(0, layers, per_run):
+            run = [raw[layer * step : (layer + 1) * step] for layer in range(first, min(first + per_run, layers))]
+            segments.extend(Segment((first + i) * step, step, step, checksum(view)) for i, view in enumerate(run))
+            yield run
+
+    def head() -> bytes:
+        if len(segments) != layers:
+            raise RuntimeError("a streamed chunk's header was asked for before all its layers were made")
+        return encode_header(layout, key, IDENTITY_ID, segments, None, name, parent)
+
+    head_length = header_size(layers, IDENTITY_ID)
+    return StreamedObject(head_length + len(raw), head_length, body(), head)
 
 
 def layer_runs(fn: Callable[[range], list[T]], layout: KVLayout, executor: Executor | None) -> list[T]:

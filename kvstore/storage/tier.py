@@ -25,7 +25,7 @@ from concurrent.futures import Executor
 from functools import partial
 from typing import Any, TypeVar
 
-from kvstore.backends.base import Backend, ObjectRead, ObjectWrite
+from kvstore.backends.base import Backend, ObjectRead, ObjectWrite, StreamedObject
 from kvstore.backends.registry import default_endpoint, lookup_backend
 from kvstore.codecs import CodecPipeline
 from kvstore.codecs.base import SegmentSpec
@@ -36,7 +36,7 @@ from kvstore.keys import ChunkKey
 from kvstore.layout import KVLayout
 from kvstore.storage.breaker import CircuitBreaker, timed_out, unreachable
 from kvstore.storage.chunk_reads import NO_FENCE, ChunkReads, Guard, LossyRead, ReadOutcome
-from kvstore.storage.container import encode_chunk, name_in_head
+from kvstore.storage.container import encode_chunk, name_in_head, stream_plain_chunk
 from kvstore.storage.crypto import ChunkCipher
 from kvstore.storage.health import UNGUARDED, Attempt, TierHealth
 from kvstore.storage.layer_reader import LayerReader
@@ -269,6 +269,14 @@ class ChunkTier:
 
     # -- whole chunks ------------------------------------------------------------------------------
 
+    def _stream(
+        self, key: ChunkKey, chunk: memoryview, codec: CodecPipeline, parent: ChunkKey | None
+    ) -> Callable[[], StreamedObject] | None:
+        """The chunk made a run of layers at a time, where its bytes are stored as they are (see ObjectWrite.stream)."""
+        if not self.is_local or not codec.is_identity or self.cipher is not None:
+            return None
+        return partial(stream_plain_chunk, self.layout, key, chunk, self.events.name_of(key), parent)
+
     async def write_many(
         self,
         items: Sequence[tuple[ChunkKey, memoryview]],
@@ -304,6 +312,7 @@ class ChunkTier:
                     parent,
                 ),
                 parent,
+                self._stream(key, chunk, codec or self.codec, parent),
             )
             for (key, chunk), codec, parent in zip(items, chosen, parents, strict=True)
         ]

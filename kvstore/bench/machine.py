@@ -1,0 +1,22 @@
+"""What a benchmark ran on, printed with its figures: ratios depend on the CPU kind and on the threads used."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+KERNEL_FLAGS = ("avx2", "avx512f", "amx_tile")  # the instruction sets that choose copy and vLLM CPU kernels
+
+
+def describe_machine() -> str:
+    """CPU model, which of :data:`KERNEL_FLAGS` it has, cores, torch's intra-op threads, load average."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.partition(":")[2].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = " ".join(flag for flag in KERNEL_FLAGS if flag in set(info.split())) or "-"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"{model}; flags {flags}; {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; "
+        f"load average {load:.2f}"
+    )
