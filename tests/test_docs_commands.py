@@ -87,9 +87,12 @@ def test_vllm_server_commands_parse_with_vllm_and_kvstore(vllm_python: Path) -> 
         if block.startswith("vllm serve ")
     ]
     assert len(commands) == 3  # vllm.md: the connector, the tier; the README: the connector
+    # Not offline: in offline mode vLLM's engine arguments look the model up in the local Hugging Face cache
+    # (to replace its name by a path); nothing here loads or downloads it.
+    environment = {**os.environ, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
     checked = subprocess.run(
         [str(vllm_python), str(ROOT / "tests" / "vllm_support" / "check_serve_commands.py")],
-        input=json.dumps(commands), capture_output=True, text=True, timeout=300, check=False,
+        input=json.dumps(commands), env=environment, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stderr[-4000:]
     assert checked.stdout.splitlines() == [
