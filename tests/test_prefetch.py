@@ -223,6 +223,48 @@ def test_copy_between_matches_torch_copy_for_strided_targets(dtype):
     assert torch.equal(widened, source.float())
 
 
+def test_a_large_copy_is_shared_with_idle_helpers_and_never_waits_for_busy_ones(monkeypatch):
+    """A chunk-sized copy (>= PARALLEL_COPY_BYTES) is cut into runs of its first dimension: an idle helper takes
+    part (the caller copies what is left); with the only helper busy, the caller copies all of it, not waiting."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kvstore.util.buffers as buffers
+
+    monkeypatch.setattr(buffers, "usable_cores", lambda: 2)
+    source = torch.randn((32, 2, 256, 8, 64), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    backing = torch.zeros((32, 2, 8, 300, 64), dtype=torch.bfloat16)
+    target = backing[:, :, :, 10:266].permute(0, 1, 3, 2, 4)  # 16 MiB, heads before tokens in memory
+    copiers: set[str] = set()
+    real_copyto, helper_copied, waiting = buffers.np.copyto, threading.Event(), [True]
+
+    def copyto(into, out_of):
+        name = threading.current_thread().name
+        copiers.add(name)
+        if name.startswith("helper"):
+            helper_copied.set()
+        elif waiting[0]:  # the caller's first run ends only once the idle helper has taken the other one
+            assert helper_copied.wait(60), "the idle helper never took a run"
+        real_copyto(into, out_of)
+
+    monkeypatch.setattr(buffers.np, "copyto", copyto)
+    with ThreadPoolExecutor(1, thread_name_prefix="helper") as helpers:
+        buffers.copy_between(target, source, helpers)
+        assert torch.equal(target.view(torch.int16), source.view(torch.int16))
+        assert any(name.startswith("helper") for name in copiers), copiers  # (it may have taken both runs)
+        assert not backing[:, :, :, :10].view(torch.int16).any() and not backing[:, :, :, 266:].view(torch.int16).any()
+
+        waiting[0] = False
+        release = threading.Event()
+        helpers.submit(release.wait)  # the one helper is busy: the caller copies every run itself
+        copiers.clear()
+        target.zero_()
+        buffers.copy_between(target, source, helpers)
+        assert copiers == {threading.current_thread().name}
+        assert torch.equal(target.view(torch.int16), source.view(torch.int16))
+        release.set()
+
+
 async def test_layers_land_in_caller_views_with_other_strides(tmp_path):
     """An engine may hand in views of its own cache (heads before tokens), as the HF connector does."""
     cfg = config(tmp_path)

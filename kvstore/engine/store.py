@@ -92,6 +92,9 @@ class KVStore:
         # put's copies into DRAM above a remote tier (_copy_in): a thread of their own, so a put never
         # waits behind (or, on a frozen disk, forever on) the I/O threads' file reads and writes.
         self._copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
+        # Helpers for the copies of whole chunks between DRAM and CPU tensors: one thread does not reach
+        # the memory's speed (copy_between); idle ones take part of a copy, busy ones are not waited for.
+        self._copy_helpers = ThreadPoolExecutor(max(1, usable_cores() - 1), thread_name_prefix="kvstore-copy-helper")
         adaptive = config.adaptive
         most = config.dram_bounds()[1] if adaptive.auto else None  # auto mode resizes the pool in segments
         # KV events for routers (kvstore.events): published from open() to close(), when enabled. The
@@ -243,6 +246,7 @@ class KVStore:
                 log.warning("close: the access trace could not be written: %r", exc)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._copy_executor.shutdown(wait=False, cancel_futures=True)
+        self._copy_helpers.shutdown(wait=False, cancel_futures=True)
         self.transfers.close()
         if isinstance(self.events, ChunkEvents):  # the DRAM tier goes with the store; the others keep theirs
             self.events.removed(DRAM_MEDIUM, self.pool.keys())
@@ -467,8 +471,8 @@ class KVStore:
     async def _copy_in(self, target: torch.Tensor, kv: torch.Tensor) -> None:
         """Copy a chunk into its slot: in the copy thread when a remote tier is below, else on the loop.
 
-        One thread (:func:`copy_between`): torch's copy_ of a 5.6 MiB chunk ran an OpenMP team that
-        contended with the tiers' sends (17 ms a put on 2 cores, 2.6 ms single-threaded). Off the
+        By :func:`copy_between` (numpy, with the store's copy helpers): torch's copy_ of a 5.6 MiB chunk
+        ran an OpenMP team that contended with the tiers' sends (17 ms a put on 2 cores, 2.6 ms in one thread). Off the
         loop with a remote tier: the loop drives its sockets, and a copy there stalls every request
         in flight (Redis put+flush of SmolLM2 chunks: 0.55x of raw SETs with the copy on the loop,
         0.9x with no copy at all). Local tiers write in threads, so there (and for small chunks) the
@@ -476,9 +480,9 @@ class KVStore:
         is done, even if cancelled (:func:`in_thread`).
         """
         if self._remote_below and kv.device.type == "cpu" and self.layout.chunk_nbytes >= OFF_LOOP_COPY_BYTES:
-            await in_thread(self._copy_executor, copy_between, target, kv)
+            await in_thread(self._copy_executor, copy_between, target, kv, self._copy_helpers)
         else:
-            copy_between(target, kv)
+            copy_between(target, kv, self._copy_helpers)
 
     # -- lookup and get ------------------------------------------------------------------------
 
@@ -565,8 +569,8 @@ class KVStore:
             source = self.pool.tensor(slot)
             if outs is None:
                 results[i] = source.clone()
-            else:  # one thread, as in put (copy_between): torch's OpenMP team slowed gets of 5.6 MiB chunks
-                copy_between(outs[i].detach(), source)
+            else:  # as in put (copy_between): torch's OpenMP team slowed gets of 5.6 MiB chunks
+                copy_between(outs[i].detach(), source, self._copy_helpers)
                 results[i] = outs[i]
 
         slots = self.pool.acquire_many(keys)
