@@ -85,7 +85,11 @@ class DiskConfig(BackendSection):
         ByteSize(16 << 30), description="byte budget, e.g. '500GiB'; disk.eviction picks the files that go"
     )
     codec: str = Field("identity", description="codec pipeline for files, e.g. 'identity' or 'byteplanes'")
-    fsync: bool = Field(False, description="fsync each file before it becomes visible (survives power loss)")
+    fsync: bool = Field(
+        False,
+        description="fsync each file before it becomes visible: after a power loss a chunk is whole or missing "
+        "(its directory is not synced: one written in the last seconds may be gone, a miss)",
+    )
     eviction: EvictionName = Field(
         "lru",
         description="which file a full budget drops: 'lru' (least recently used), or the scan-resistant "
