@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -286,7 +285,7 @@ def markdown_table(timings: Sequence[Timing]) -> str:
             lines.append(
                 f"| {tier} | {label.get(op, op)} | {rate(ours):.2f} | {rate(theirs):.2f} "
                 f"| {theirs.seconds / ours.seconds:.2f}x | {raw.what if raw else '-'} "
-                f"| {rate(raw) if raw else math.nan:.2f} |"
+                f"| {f'{rate(raw):.2f}' if raw else '-'} |"
             )
     return "\n".join(lines)
 
