@@ -36,9 +36,7 @@ import torch
 from kvstore.backends.base import StreamedObject
 from kvstore.backends.files import write_fully, write_stream
 from kvstore.codecs import make_codec
-from kvstore.config import StoreConfig
 from kvstore.engine.store import KVStore
-from kvstore.keys import chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.storage.container import Segment, encode_header, encode_layers, header_size, stream_plain_chunk
 from kvstore.util.buffers import tensor_bytes
@@ -95,17 +93,13 @@ async def disk_put_parts(
     name: str, layout: KVLayout, chunks: int, repeats: int, directory: Path, fsync: bool
 ) -> list[Part]:
     """The stages of ``put`` + ``flush`` to the disk tier for ``chunks`` chunks (see the module docstring)."""
-    from kvstore.bench.local import RAW_THREADS, RawFiles, _sample_chunks
+    from kvstore.bench.local import RAW_THREADS, RawFiles, _sample_chunks, bench_keys, disk_bench_config
 
     sources = _sample_chunks(layout, chunks, seed=2)  # distinct chunks: none is in cache when its turn comes
     total = chunks * layout.chunk_nbytes
-    keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"parts-{name}")]
-    config = StoreConfig(
-        dram={"capacity": (chunks + 1) * layout.chunk_nbytes},
-        disk={"path": directory / "tier", "capacity": 1 << 50, "fsync": fsync},
-    )
+    keys = bench_keys(layout, chunks, f"parts-{name}")
     parts: list[Part] = []
-    async with KVStore(config, layout, namespace=f"parts-{name}") as store:
+    async with KVStore(disk_bench_config(layout, chunks, directory, fsync), layout, f"parts-{name}") as store:
         tier = store.tiers[0]
         best_put, best_flush, best_total = float("inf"), float("inf"), float("inf")
         for _ in range(repeats):

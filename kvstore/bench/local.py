@@ -40,7 +40,7 @@ from kvstore.codecs import CodecPipeline, SegmentSpec, make_codec, roundtrip_err
 from kvstore.config import StoreConfig
 from kvstore.engine.cascade import WRITE_BATCH
 from kvstore.engine.store import KVStore
-from kvstore.keys import chunk_keys
+from kvstore.keys import ChunkKey, chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.util.buffers import Buffer, tensor_bytes
 from kvstore.util.progress import Progress
@@ -161,7 +161,7 @@ async def bench_dram(name: str, layout: KVLayout, chunks: int, repeats: int) -> 
 
     config = StoreConfig(dram={"capacity": (chunks + 1) * layout.chunk_nbytes}, disk={"enabled": False})
     async with KVStore(config, layout, namespace=f"bench-{name}") as store:
-        keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
+        keys = bench_keys(layout, chunks, f"bench-{name}")
 
         async def put_all() -> float:
             for key in keys:  # start from an empty pool each round, so every put copies
@@ -261,6 +261,19 @@ def _run_share(share: range, work: Callable[[int], None]) -> None:
         work(i)
 
 
+def bench_keys(layout: KVLayout, chunks: int, namespace: str) -> list[ChunkKey]:
+    """One key for each of ``chunks`` distinct one-chunk prompts."""
+    return [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, namespace)]
+
+
+def disk_bench_config(layout: KVLayout, chunks: int, directory: Path, fsync: bool) -> StoreConfig:
+    """The disk benchmarks' store: DRAM for every chunk of a pass, a disk tier under ``directory`` that evicts none."""
+    return StoreConfig(
+        dram={"capacity": (chunks + 1) * layout.chunk_nbytes},
+        disk={"path": directory / "tier", "capacity": 1 << 50, "fsync": fsync},
+    )
+
+
 async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, directory: Path, fsync: bool) -> list[Row]:
     """The disk tier through the public API against raw file I/O on the same bytes, alternating; checks the data.
 
@@ -279,11 +292,8 @@ async def bench_disk(name: str, layout: KVLayout, chunks: int, repeats: int, dir
     outs = [torch.zeros(layout.chunk_shape, dtype=layout.dtype) for _ in range(chunks)]  # pre-touched
     out_bytes = [tensor_bytes(out) for out in outs]
     total = chunks * layout.chunk_nbytes
-    keys = [k for i in range(chunks) for k in chunk_keys([i] * layout.chunk_tokens, layout, f"bench-{name}")]
-    config = StoreConfig(
-        dram={"capacity": (chunks + 1) * layout.chunk_nbytes},
-        disk={"path": directory / "tier", "capacity": 1 << 50, "fsync": fsync},
-    )
+    keys = bench_keys(layout, chunks, f"bench-{name}")
+    config = disk_bench_config(layout, chunks, directory, fsync)
     rows: list[Row] = []
     raw_label = f"{RAW_THREADS} threads, {'write+fsync' if fsync else 'write'}"
     with ThreadPoolExecutor(RAW_THREADS, thread_name_prefix="raw-io") as executor:
