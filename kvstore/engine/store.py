@@ -471,11 +471,11 @@ class KVStore:
     async def _copy_in(self, target: torch.Tensor, kv: torch.Tensor) -> None:
         """Copy a chunk into its slot: in the copy thread when a remote tier is below, else on the loop.
 
-        By :func:`copy_between` (numpy, with the store's copy helpers): torch's copy_ of a 5.6 MiB chunk
-        ran an OpenMP team that contended with the tiers' sends (17 ms a put on 2 cores, 2.6 ms in one thread). Off the
-        loop with a remote tier: the loop drives its sockets, and a copy there stalls every request
-        in flight (Redis put+flush of SmolLM2 chunks: 0.55x of raw SETs with the copy on the loop,
-        0.9x with no copy at all). Local tiers write in threads, so there (and for small chunks) the
+        By :func:`copy_between` (numpy, with the store's copy helpers): torch's copy_ of a 5.6 MiB
+        chunk ran an OpenMP team that contended with the tiers' sends (17 ms a put on 2 cores, 2.6 ms
+        in one thread). Off the loop with a remote tier: the loop drives its sockets, and a copy there
+        stalls every request in flight (Redis put+flush of SmolLM2 chunks: 0.55x of raw SETs with the
+        copy on the loop, 0.9x with no copy at all). Local tiers write in threads, so there (and for small chunks) the
         copy stays inline: a thread hop would cost more than it frees. Returns only once the copy
         is done, even if cancelled (:func:`in_thread`).
         """

@@ -59,7 +59,7 @@ def copy_between(target: torch.Tensor, source: torch.Tensor, helpers: Executor |
     strided targets included. Anything else (CUDA, a dtype change) is left to torch.
 
     One thread does not reach the memory's speed, though: a whole 32 MiB chunk copied at 0.64x of
-    a two-thread ``Tensor.copy_`` (this 2-core Xeon) and at 0.60x on an AVX2 EPYC. So with
+    a two-thread ``Tensor.copy_`` (this 2-core Xeon). So with
     ``helpers`` (the store's pool of copy threads), a copy of at least :data:`PARALLEL_COPY_BYTES`
     is cut into runs of its first dimension, one per usable core, and the calling thread copies
     runs while the helpers that are idle take the others (:func:`map_with_helpers`: it never waits
