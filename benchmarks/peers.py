@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from kvstore import KVLayout, KVStore, StoreConfig, chunk_keys
-from kvstore.bench.local import RAW_THREADS, RawFiles, _drop_cache, _sample_chunks
+from kvstore import KVStore, StoreConfig, chunk_keys
+from kvstore.bench.local import LAYOUTS, RAW_THREADS, RawFiles, _copy_all, _drop_cache, _sample_chunks, _timed
 from kvstore.bench.machine import describe_machine
 from kvstore.bench.remote import _bounded, store_config
 from kvstore.bench.remote_servers import BUCKET, Remote, serve
@@ -48,7 +48,7 @@ from kvstore.util.buffers import tensor_bytes
 ROOT = Path(__file__).resolve().parents[1]
 LMCACHE_PYTHON = ROOT / ".venv-lmcache" / "bin" / "python"
 LMCACHE_DRIVER = ROOT / "benchmarks" / "lmcache_driver.py"
-LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)  # Llama-3-8B
+LAYOUT = LAYOUTS["Llama-3-8B"]
 TIERS = ("dram", "disk", "redis", "s3")
 CONCURRENCY = 4  # requests in flight to a server: kvstore's io_threads default, and the raw clients'
 
@@ -187,10 +187,7 @@ class KvstoreSide:
         return await self.raw_remote(tier)
 
     def memcpy(self) -> float:
-        start = time.perf_counter()
-        for out, source in zip(self.outs, self.sources, strict=True):
-            out.copy_(source)
-        return time.perf_counter() - start
+        return _timed(lambda: _copy_all(self.outs, self.sources))
 
     async def raw_remote(self, tier: str) -> list[Timing]:
         names = [f"raw-{self.passes}-{i}" for i in range(self.chunks)]

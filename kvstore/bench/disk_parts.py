@@ -93,7 +93,17 @@ async def disk_put_parts(
     name: str, layout: KVLayout, chunks: int, repeats: int, directory: Path, fsync: bool
 ) -> list[Part]:
     """The stages of ``put`` + ``flush`` to the disk tier for ``chunks`` chunks (see the module docstring)."""
-    from kvstore.bench.local import RAW_THREADS, RawFiles, _sample_chunks, bench_keys, disk_bench_config
+    from kvstore.bench.local import (
+        RAW_THREADS,
+        RawFiles,
+        _copy_all,
+        _raw_write,
+        _run_share,
+        _sample_chunks,
+        _timed,
+        bench_keys,
+        disk_bench_config,
+    )
 
     sources = _sample_chunks(layout, chunks, seed=2)  # distinct chunks: none is in cache when its turn comes
     total = chunks * layout.chunk_nbytes
@@ -125,10 +135,7 @@ async def disk_put_parts(
     slots = [torch.zeros_like(source) for source in sources]  # pre-touched, like the pool's slab
 
     def copy() -> float:
-        start = time.perf_counter()
-        for slot, source in zip(slots, sources, strict=True):
-            slot.copy_(source)
-        return time.perf_counter() - start
+        return _timed(lambda: _copy_all(slots, sources))
 
     identity = make_codec("identity")
     head_length = header_size(layout.num_layers, identity.id)
@@ -181,7 +188,10 @@ async def disk_put_parts(
             if threads == 1:
                 for old in raw.directory.iterdir():
                     old.unlink()
-                return await loop.run_in_executor(executor, _one_thread_writes, raw.directory, source_bytes, fsync)
+                one_by_one = partial(
+                    _run_share, range(chunks), lambda i: _raw_write(raw.directory, i, source_bytes[i], fsync)
+                )
+                return await loop.run_in_executor(executor, _timed, one_by_one)
             if not copy_first:
                 return await raw.write(source_bytes, chunks, fsync)
             start = time.perf_counter()  # the same work a store does: a copy the caller may not touch, then write
@@ -197,16 +207,6 @@ async def disk_put_parts(
             seconds = min([await raw_write(threads, copy_first) for _ in range(repeats)])
             parts.append(Part(name, label, total, seconds, "baseline"))
     return parts
-
-
-def _one_thread_writes(directory: Path, sources: Sequence[memoryview], fsync: bool) -> float:
-    """Seconds to write every source as its own file, one after another, as the raw baselines do."""
-    from kvstore.bench.local import _raw_write
-
-    start = time.perf_counter()
-    for index, data in enumerate(sources):
-        _raw_write(directory, index, data, fsync)
-    return time.perf_counter() - start
 
 
 async def run_disk_parts(mib: int, repeats: int, directory: Path | None, fsync: bool) -> list[Part]:

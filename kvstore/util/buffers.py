@@ -75,8 +75,9 @@ def copy_between(target: torch.Tensor, source: torch.Tensor, helpers: Executor |
         bits = _SAME_SIZE_INTS[target.dtype.itemsize]
         into, out_of = target.view(bits).numpy(), source.view(bits).numpy()
         nbytes = target.numel() * target.dtype.itemsize
-        pieces = min(usable_cores(), nbytes // PARALLEL_COPY_PIECE, target.shape[0] if target.dim() else 1)
-        if helpers is None or nbytes < PARALLEL_COPY_BYTES or pieces < 2:
+        small = helpers is None or nbytes < PARALLEL_COPY_BYTES or target.dim() == 0  # most copies: no syscall
+        pieces = 1 if small else min(usable_cores(), nbytes // PARALLEL_COPY_PIECE, target.shape[0])
+        if pieces < 2:
             np.copyto(into, out_of)
             return
         rows = target.shape[0]
