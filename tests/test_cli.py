@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from support import chunk_file, start_server
 from typer.testing import CliRunner
 
@@ -35,9 +36,12 @@ def test_demo_runs_the_cascade_and_every_chunk_comes_back(tmp_path: Path) -> Non
 
 
 def test_bench_prints_ratios_against_baselines_measured_in_the_same_run(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["bench", "--mib", "8", "--repeats", "1", "--dir", str(tmp_path), "--disk-parts"])
+    threads = torch.get_num_threads()
+    options = ["--mib", "8", "--repeats", "1", "--dir", str(tmp_path), "--disk-parts", "--torch-threads", "1"]
+    result = runner.invoke(app, ["bench", *options])
     assert result.exit_code == 0, result.output
-    assert re.search(r"^machine: .*; flags .*; \d+ cores; torch threads \d+; load average", result.output, re.M)
+    assert re.search(r"^machine: .*; flags .*; \d+ cores; torch threads 1; load average", result.output, re.M)
+    assert torch.get_num_threads() == threads, "--torch-threads holds for the run only"
     operations = ("DRAM put", "DRAM get", "disk put+flush", "disk get_many (warm)", "disk get_many (cold)")
     for operation in (*operations, "internal: tier write", "internal: tier read (warm)", "internal: tier read (cold)"):
         assert operation in result.output

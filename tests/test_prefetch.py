@@ -13,9 +13,12 @@ import torch
 from support import TEST_BUCKET
 
 from kvstore import KVLayout, KVStore, StoreConfig, SyncKVStore
+from kvstore.engine.streams import reads
+from kvstore.engine.streams.stream import _thread_share
 from kvstore.errors import PrefetchError
 from kvstore.storage.container import parse_header
 from kvstore.util.buffers import copy_between
+from kvstore.util.threads import usable_cores
 
 LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=16, chunk_tokens=32, dtype=torch.bfloat16)
 
@@ -114,6 +117,35 @@ async def test_the_stream_runs_at_most_depth_layers_ahead(tmp_path):
             assert await read_ahead_reaches(3 * per_layer) == 3 * per_layer  # layer 0, and 2 ahead: not more
             await stream.layer(2)
             assert await read_ahead_reaches(5 * per_layer) == 5 * per_layer  # up to layer 2 + depth
+
+
+def test_runs_in_flight_share_the_read_threads():
+    assert _thread_share(2, 2, 1) == 2, "one run in flight: every thread"
+    assert _thread_share(2, 2, 2) == 1, "two runs on two cores: one thread each"
+    assert _thread_share(8, 4, 1) == 4, "never more than read_threads"
+    assert _thread_share(2, 2, 3) == 1, "at least one"
+
+
+async def test_a_run_alone_in_flight_is_read_over_every_read_thread(tmp_path, monkeypatch):
+    """Depth 1 leaves room for one run at a time: its chunks are dealt out over every read thread, not one."""
+    cfg = config(tmp_path, io_threads=2)
+    keys, chunks = await fill(cfg, 4)
+    calls: list[tuple[int, int]] = []  # per thread call: (the first layer it read, chunks it read)
+    real_read_files = reads.read_files
+
+    def recorded(items, copies, layout, fence):
+        calls.append((min(item.layer for item in items), len({id(item.reader) for item in items})))
+        return real_read_files(items, copies, layout, fence)
+
+    monkeypatch.setattr(reads, "read_files", recorded)
+    outs = [torch.zeros((LAYOUT.kv_planes, 4 * LAYOUT.chunk_tokens, *LAYOUT.layer_shape[2:]), dtype=LAYOUT.dtype)
+            for _ in range(LAYOUT.num_layers)]  # fmt: skip
+    async with KVStore(cfg, LAYOUT, "prefetch") as store:  # empty DRAM: every layer comes from disk
+        async for layer, kv in store.prefetch(keys, depth=1, outs=outs):
+            assert same(kv, expected_layer(chunks, layer))
+    threads = min(2, usable_cores())
+    first_run = [count for layer, count in calls if layer == 0]
+    assert len(first_run) == threads and sum(first_run) == 4, calls
 
 
 async def test_a_missing_chunk_fails_the_stream_at_once(tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,3 +22,15 @@ def describe_machine() -> str:
         f"{model}; flags {flags}; {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; "
         f"load average {load:.2f}"
     )
+
+
+@contextlib.contextmanager
+def torch_threads_set(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside the block (None: left as they are), then restored."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -84,23 +84,32 @@ def bench(
         str,
         typer.Option(help="comma-separated codecs for --accuracy (default: every built-in and lossy codec registered)"),
     ] = "",
+    torch_threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="torch's intra-op threads for the run, kvstore and baselines alike (default: torch's own; "
+            "vLLM's GPU workers serve with 1)",
+        ),
+    ] = None,
 ) -> None:
     """Tier throughput against memcpy, raw file I/O and raw S3/Redis clients, measured in the same run."""
     names = _remote_names(remote, remote_layout)  # checked before the local bench spends minutes
     accuracy_names = _accuracy_codecs(accuracy, accuracy_codecs)
-    from kvstore.bench.machine import describe_machine
+    from kvstore.bench.machine import describe_machine, torch_threads_set
 
-    console.print(f"machine: {describe_machine()}", markup=False, highlight=False, soft_wrap=True)
-    if local:
-        _bench_local(mib, repeats, directory, fsync, codecs, sample, disk_parts)
-    if names:
-        _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
-    if prefetch:
-        _bench_prefetch(prefetch, repeats)
-    if accuracy:
-        _bench_accuracy(prompts, accuracy_names)
-    if gpu or device:
-        _bench_device("cuda" if gpu else device, repeats, directory, ttft_cases)
+    with torch_threads_set(torch_threads):
+        console.print(f"machine: {describe_machine()}", markup=False, highlight=False, soft_wrap=True)
+        if local:
+            _bench_local(mib, repeats, directory, fsync, codecs, sample, disk_parts)
+        if names:
+            _bench_remote(names, mib, repeats, remote_layout, concurrency, sample, codecs)
+        if prefetch:
+            _bench_prefetch(prefetch, repeats)
+        if accuracy:
+            _bench_accuracy(prompts, accuracy_names)
+        if gpu or device:
+            _bench_device("cuda" if gpu else device, repeats, directory, ttft_cases)
 
 
 # -- tables -------------------------------------------------------------------------------------
@@ -299,7 +308,10 @@ def _bench_device(device: str, repeats: int, directory: Path | None, cases: str)
         raise typer.BadParameter(str(exc)) from None
     card = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     rows = asyncio.run(d.bench_paths(device, repeats=repeats, directory=directory))
-    title = f"kvstore bench --device {device} ({card}): 16 Llama-3-8B chunks (512 MiB) per row, best of {repeats}"
+    title = (
+        f"kvstore bench --device {device} ({card}): 16 Llama-3-8B chunks (512 MiB) per row, best of {repeats}; "
+        f"streams {d.ENGINE_DEPTH} layers ahead"
+    )
     console.print(ratio_table(title, rows, "GB/s"))
     if chosen:
         console.print(ttft_table(t.bench_ttft(chosen, device, repeats, directory), card))

@@ -60,8 +60,8 @@ class RunReads:
         """Run every read; raises the failure of the first layer, then chunk, that failed (PrefetchError, or
         what a read raised: FenceClosed once the stream closed the fence)."""
         calls = [read() for read in self.remote]
-        groups = max(1, min(self._threads, len(self.files)))
-        if self.files or self.copies:  # a chunk's layers in one call, the chunks dealt out among the calls
+        groups = max(1, min(self._threads, len(self.files) + len(self.copies)))
+        if self.files or self.copies:  # a chunk's file reads in one call, the chunks and copies dealt out among them
             for group in range(groups):
                 items = [item for chunk in self.files[group::groups] for item in chunk]
                 calls.append(self._in_thread(items, self.copies[group::groups]))

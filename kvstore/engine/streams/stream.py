@@ -228,10 +228,14 @@ class LayerStream:
                 # A ring's layers in flight stay within `ring` of the first one not yet arrived, however far the
                 # consumer has released (a restart releases layers it will not take): no two share a buffer.
                 limit = min(self.num_layers, self.pace.allowed(), layer + (self.ring or self.num_layers))
-                while following < limit and len(started) < in_flight:
+                runs: list[tuple[int, int]] = []  # the runs to start now: (first layer, layers)
+                while following < limit and len(started) + len(runs) < in_flight:
                     count = min(step, limit - following)
-                    started.append((asyncio.create_task(self._fetch(following, count, step, threads)), count))
+                    runs.append((following, count))
                     following += count
+                share = _thread_share(threads, self._resources.read_threads, len(started) + len(runs))
+                for first, count in runs:
+                    started.append((asyncio.create_task(self._fetch(first, count, step, share)), count))
                 fetch, count = started.popleft()
                 following = layer + count
                 try:
@@ -288,35 +292,43 @@ class LayerStream:
         return self._chunks.all_local()
 
     def _fetches_in_flight(self) -> tuple[int, int]:
-        """Runs of layers read at once, and the thread calls each run's reads are spread over.
+        """Runs of layers read at once (at most), and the thread calls all of them together may use.
 
-        FETCHES_IN_FLIGHT runs where _overlaps allows, each over ``read_threads`` calls; where files are read
-        and that would be more threads than cores (2 cores, 2 read threads), the runs share the cores instead
-        (one thread each there): more threads would only take turns, and a thread switched out between a read
-        and its checksum checks bytes no longer in its cache. (A stream from disk on 2 cores, of ``get_many``
-        from disk: 0.82x with two runs of two threads, about 0.85x with one run of two, which leaves the cores
-        idle between runs.)
+        FETCHES_IN_FLIGHT runs where _overlaps allows, each over ``read_threads`` calls; where that would be
+        more threads than cores (2 cores, 2 read threads), the runs in flight share the cores instead
+        (:func:`_thread_share`): more threads would only take turns, and a thread switched out between a file
+        read and its checksum checks bytes no longer in its cache. (A stream from disk on 2 cores, of
+        ``get_many`` from disk: 0.82x with two runs of two threads, about 0.85x with one run of two.)
         """
         threads = self._resources.read_threads
         if not self._overlaps():
             return 1, threads
-        cores = usable_cores()
-        if self._chunks.any_files() and FETCHES_IN_FLIGHT * threads > cores:
-            return FETCHES_IN_FLIGHT, max(1, cores // FETCHES_IN_FLIGHT)
-        return FETCHES_IN_FLIGHT, threads
+        return FETCHES_IN_FLIGHT, min(FETCHES_IN_FLIGHT * threads, max(threads, usable_cores()))
 
     def _layers_per_fetch(self) -> int:
         """Layers fetched together (at most): 1, or from DRAM and local tiers into device outputs, enough that each
-        chunk moves about UPLOAD_BYTES at once (one copy across the bus), or read in place into CPU outputs, about
-        IN_PLACE_BYTES (one vectored read, checksummed while hot). Longer runs switch between files less often: a
-        stream from disk on 2 cores made 0.87-0.93x of ``get_many`` from disk in runs of 8 MiB, 0.81-0.86x in runs
-        of 4 MiB, 0.64-0.86x in runs doubling from one layer. A remote reader reads its layers one by one."""
+        chunk moves about UPLOAD_BYTES at once (one copy across the bus), or into contiguous CPU outputs, about
+        IN_PLACE_BYTES (a file's: one vectored read, checksummed while hot). Longer runs switch between files less
+        often: a stream from disk on 2 cores made 0.87-0.93x of ``get_many`` from disk in runs of 8 MiB, 0.81-0.86x
+        in runs of 4 MiB, 0.64-0.86x in runs doubling from one layer. From DRAM, runs of one layer left the threads
+        idle between runs (a stream 4 layers ahead copied 5.5-6 GB/s, in runs of 8 MiB 7-8 GB/s, on 2 cores). A
+        remote reader reads its layers one by one."""
         kind = self._outputs.kind
-        in_place = kind is OutputKind.HOST_IN_PLACE and self._chunks.any_files()
-        if not (kind is OutputKind.DEVICE or in_place) or not self._overlaps():
+        if kind is OutputKind.HOST or not self._overlaps():
             return 1
         run_bytes = UPLOAD_BYTES if kind is OutputKind.DEVICE else IN_PLACE_BYTES
         return max(1, min(self.num_layers, -(-run_bytes // self._resources.layout.layer_nbytes)))
+
+
+def _thread_share(threads: int, most: int, in_flight: int) -> int:
+    """The thread calls a run of layers started now is spread over: an equal share of ``threads`` among the
+    ``in_flight`` runs it will be one of, at most ``most`` (``read_threads``) and at least one.
+
+    Shared by the runs in flight, not fixed per run: a consumer that keeps the stream only a few layers
+    ahead (the vLLM connector's depth 4) leaves room for one run at a time, and that run then has every
+    thread (one thread there read a stream from disk at 0.50-0.54x of ``get_many`` from disk on 2 cores).
+    """
+    return max(1, min(most, threads // max(1, in_flight)))
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
