@@ -18,12 +18,13 @@ from functools import partial
 import numpy as np
 import pytest
 import redis
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.backends.redis import RedisBackend
 from kvstore.backends.redis_connection import mask_url
+from kvstore.backends.redis_get_into import receives_in_place
 from kvstore.testing import listed_keys
 from kvstore.testing.servers import RedisClusterServer, RedisServer
 from kvstore.util.buffers import Buffer
@@ -224,6 +225,32 @@ async def test_get_into_reads_pieces_into_caller_buffers(
     assert await backend.get_into(chunk_key(8), [memoryview(small)]) is None
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_get_received_in_place_reads_exactly_its_reply(
+    server: RedisServer, make_backend: Callable[..., RedisBackend], protocol: int
+) -> None:
+    """The GET the socket receives into the caller's memory (a single server) takes its reply and nothing more:
+    on one pooled connection, a value longer than the buffers, an absent key and a wrong-type key each leave
+    the next call, by hand or through redis-py, a clean reply (RESP2 and RESP3 alike)."""
+    backend = make_backend(f"{server.url}?protocol={protocol}", max_connections=1)
+    assert receives_in_place(backend._connect())
+    key, other = chunk_key(50), chunk_key(51)
+    value = np.random.default_rng(5).integers(0, 256, 3_000_003, dtype=np.uint8).tobytes()
+    await backend.set(key, [value])
+    small, out = bytearray(100_003), bytearray(len(value))
+    assert await backend.get_into(key, [memoryview(small)]) == len(value) and bytes(small) == value[:100_003]
+    assert await backend.get_into(key, [memoryview(out)]) == len(value) and bytes(out) == value
+    assert await backend.get_into(other, [memoryview(small)]) is None
+    with raw_client(server.url, False) as raw:
+        raw.hset(f"{backend.prefix}:default:{other}", "field", "value")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await backend.get_into(other, [memoryview(small)])
+    assert await backend.get(key) == value  # redis-py's parser, on the same pool
+    out[:] = bytes(len(out))
+    assert await backend.get_into(key, [memoryview(out)[:7], memoryview(out)[7:]]) == len(value)
+    assert bytes(out) == value
+
+
 async def test_multi_part_set_is_sent_without_gathering(
     server: RedisServer, make_backend: Callable[..., RedisBackend]
 ) -> None:
@@ -369,6 +396,9 @@ async def test_reconnects_after_restart(make_backend: Callable[..., RedisBackend
         flaky.stop()
         took = await elapsed_raising(lambda: backend.get(chunk_key(40)), RedisConnectionError)
         assert took < backend.operation_timeout + 2.0
+        into = memoryview(bytearray(16))
+        took = await elapsed_raising(lambda: backend.get_into(chunk_key(40), [into]), RedisConnectionError)
+        assert took < backend.operation_timeout + 2.0
         took = await elapsed_raising(lambda: backend.set(chunk_key(41), [b"x"]), RedisConnectionError)
         assert took < backend.operation_timeout + 2.0
 
@@ -376,6 +406,7 @@ async def test_reconnects_after_restart(make_backend: Callable[..., RedisBackend
         assert await backend.get(chunk_key(40)) is None
         await backend.set(chunk_key(40), [b"after"])
         assert await backend.get(chunk_key(40)) == b"after"
+        assert await backend.get_into(chunk_key(40), [into]) == 5 and bytes(into[:5]) == b"after"
         stats = backend.stats()
         assert int(stats["connection_errors"]) >= 2 and int(stats["errors"]) >= 2
 

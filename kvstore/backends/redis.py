@@ -18,6 +18,7 @@ The tier in modules:
   retries, the per-call deadline (``operation_timeout``), error counts, the password kept out of
   every text. A store starts while Redis is down and resumes when it returns.
 - :mod:`kvstore.backends.redis_set_parts`: the multi-part SET written by hand on a raw connection.
+- :mod:`kvstore.backends.redis_get_into`: the GET whose reply the socket receives straight into the caller's memory.
 - :mod:`kvstore.backends.redis_maintenance`: the operator's side (SCAN of every namespace, removal).
 - here, :class:`RedisBackend`: reads, writes and lookups of this store's namespace.
 """
@@ -29,6 +30,8 @@ from typing import Any
 
 from kvstore.backends.base import Backend, ByteRange, Scatter
 from kvstore.backends.redis_connection import CALL_ERRORS
+from kvstore.backends.redis_get_into import get_into as get_received_into
+from kvstore.backends.redis_get_into import receives_in_place
 from kvstore.backends.redis_maintenance import RedisMaintenance
 from kvstore.backends.redis_set_parts import set_parts
 from kvstore.util.buffers import Buffer, as_bytes_view
@@ -94,14 +97,20 @@ class RedisBackend(RedisMaintenance, Backend):
     async def get_into(self, key: str, buffers: Sequence[memoryview]) -> int | None:
         """Read the value's leading bytes straight into ``buffers``; the value's size, None if absent.
 
-        One MULTI/EXEC (an atomic snapshot, one round trip) of EXISTS, STRLEN and GETRANGEs of READ_PIECE
-        bytes over the buffers' capacity (pieces past the end come back empty). Measured here, a
-        GET of a 16-40 MiB value runs at ~0.3-0.45 GB/s (both sides allocate and first-touch the
-        whole reply) where 2 MiB pieces copied into caller memory ran at 0.75-0.9 GB/s. An empty
-        value is present (size 0: the tier counts it corrupt and deletes it), not absent.
+        On a single server over plain TCP or a Unix socket: one GET (GETEX with a TTL) whose reply the
+        socket receives straight into ``buffers`` (:mod:`~kvstore.backends.redis_get_into`). Otherwise
+        (a Cluster, TLS): one MULTI/EXEC (an atomic snapshot, one round trip) of EXISTS, STRLEN and
+        GETRANGEs of READ_PIECE bytes over the buffers' capacity (pieces past the end come back empty),
+        each copied into place: redis-py's GET of a 16-40 MiB value ran at ~0.3-0.45 GB/s here (both
+        sides allocate and first-touch the whole reply), 2 MiB pieces at 0.5-0.9 GB/s. An empty value
+        is present (size 0: the tier counts it corrupt and deletes it), not absent.
         """
         views = [as_bytes_view(buffer) for buffer in buffers]
         capacity, name, ttl = sum(len(view) for view in views), self._name(key), self._ttl_ms
+        if not self.cluster and receives_in_place(self._connect()):  # type: ignore[arg-type]
+            size = await self._call("GET", lambda c: get_received_into(c, name, views, ttl))
+            self.bytes_in += 0 if size is None else min(size, capacity)
+            return size
 
         def fill(pipe: Any) -> None:
             pipe.exists(name).strlen(name)
