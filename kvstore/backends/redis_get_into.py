@@ -79,11 +79,14 @@ async def _exchange(connection: Any, request: bytes, buffers: Sequence[memoryvie
     transport.set_protocol(reply)
     try:
         writer.write(request)
-        return await reply.done
+        size = await reply.done
     except OSError as exc:
         raise RedisConnectionError(f"redis GET: the socket failed: {exc}") from exc
     finally:
         transport.set_protocol(original)  # (on a failure the connection is dropped as well)
+    if reply.extra:  # (unsolicited bytes: never sent to this client) the value is sound, the connection is not
+        await connection.disconnect(nowait=True)
+    return size
 
 
 class BulkReply(asyncio.BufferedProtocol):
@@ -105,8 +108,13 @@ class BulkReply(asyncio.BufferedProtocol):
         self._size: int | None = None  # the value's length, once known
         self._left = 0  # bytes of the value and its closing "\r\n" still to come
         self._into_scratch = True  # where the last buffer handed out was
+        self.extra = False  # bytes came after the reply: the connection's stream is no longer in step
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the transport's next ``recv_into`` writes (never empty: the transport treats that as fatal)."""
+        if self.done.done():  # bytes after the reply (none are expected): received, then judged in buffer_updated
+            self._into_scratch = True
+            return memoryview(self._scratch)
         if self._size is not None and self._left > 2 and self._index < len(self._targets):
             target = self._targets[self._index]
             self._into_scratch = False
@@ -116,7 +124,8 @@ class BulkReply(asyncio.BufferedProtocol):
         return memoryview(self._scratch)[: min(limit, DRAIN_BYTES)]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.done.done():
+        if self.done.done():  # nothing may follow the reply on this connection: it is not reused
+            self.extra = True
             return
         if not self._into_scratch:  # straight into the caller's buffer
             self._advance(nbytes)
