@@ -69,6 +69,31 @@ def url_secrets(url: str) -> list[str]:
     return sorted({form for secret in found if secret for form in (secret, unquote(secret))}, key=len, reverse=True)
 
 
+async def on_raw_connection(client: Redis, exchange: Callable[[Any], Awaitable[T]]) -> T:
+    """``exchange(connection)`` on a connection of ``client``'s pool, for a request written or read by hand.
+
+    A stale pooled connection (the server restarted) is retried once on a fresh one. Any other failure,
+    a cancellation included, drops the connection, so no half-sent request or half-read reply stays on
+    a pooled socket. nowait: closing waits for nothing (a frozen server would hold a polite close for
+    connect_timeout, past the call's deadline). The deadline is the caller's (:meth:`RedisConnection._call`).
+    """
+    pool = client.connection_pool
+    for attempt in range(2):
+        connection = await pool.get_connection()
+        try:
+            return await exchange(connection)
+        except RedisConnectionError:
+            await connection.disconnect(nowait=True)
+            if attempt:
+                raise
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(connection)
+    raise AssertionError("unreachable")  # the second attempt returns or raises
+
+
 class RedisConnection:
     """One server's or a Cluster's client, made lazily; every call bounded, counted and password-free.
 

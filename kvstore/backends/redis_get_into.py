@@ -27,6 +27,7 @@ from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from kvstore.backends.redis_connection import on_raw_connection
 from kvstore.util.buffers import as_bytes_view
 
 HEAD_BYTES = 64 << 10  # the first receive: the reply's "$<length>\r\n" and the start of the value
@@ -45,23 +46,7 @@ async def get_into(client: Redis, name: str, buffers: Sequence[memoryview], ttl_
     key = name.encode()
     args = [b"GET", key] if ttl_ms is None else [b"GETEX", key, b"PX", str(ttl_ms).encode()]
     request = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args)
-    pool = client.connection_pool
-    for attempt in range(2):
-        connection = await pool.get_connection()
-        try:
-            return await _exchange(connection, request, buffers)
-        except RedisConnectionError:
-            await connection.disconnect(nowait=True)
-            if attempt:
-                raise
-        except BaseException:
-            # A half-read reply must not stay on the socket. nowait: closing waits for nothing
-            # (a frozen server would hold a polite close for connect_timeout, past the call's deadline).
-            await connection.disconnect(nowait=True)
-            raise
-        finally:
-            await pool.release(connection)
-    raise AssertionError("unreachable")  # the second attempt returns or raises
+    return await on_raw_connection(client, lambda connection: _exchange(connection, request, buffers))
 
 
 async def _exchange(connection: Any, request: bytes, buffers: Sequence[memoryview]) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvstore.backends.redis_connection import on_raw_connection
 from kvstore.util.buffers import Buffer
 
 
@@ -32,24 +33,12 @@ async def set_parts(client: Redis, name: str, views: list[memoryview], size: int
     expiry = [b"PX", str(ttl_ms).encode()] if ttl_ms else []
     head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(expiry), len(key), key, size)
     tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in expiry)
-    pool = client.connection_pool
-    for attempt in range(2):
-        connection = await pool.get_connection()
-        try:
-            await send_parts(connection, [head, *views, tail])
-            await connection.read_response()  # raises the server's error, if any
-            return
-        except RedisConnectionError:
-            await connection.disconnect(nowait=True)
-            if attempt:
-                raise
-        except BaseException:
-            # A half-sent request must not stay on the socket. nowait: closing waits for nothing
-            # (a frozen server would hold a polite close for connect_timeout, past the call's deadline).
-            await connection.disconnect(nowait=True)
-            raise
-        finally:
-            await pool.release(connection)
+
+    async def exchange(connection: Any) -> None:
+        await send_parts(connection, [head, *views, tail])
+        await connection.read_response()  # raises the server's error, if any
+
+    await on_raw_connection(client, exchange)
 
 
 async def send_parts(connection: Any, parts: list[Buffer]) -> None:
