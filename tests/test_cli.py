@@ -40,7 +40,8 @@ def test_bench_prints_ratios_against_baselines_measured_in_the_same_run(tmp_path
     options = ["--mib", "8", "--repeats", "1", "--dir", str(tmp_path), "--disk-parts", "--torch-threads", "1"]
     result = runner.invoke(app, ["bench", *options])
     assert result.exit_code == 0, result.output
-    assert re.search(r"^machine: .*; flags .*; \d+ cores; torch threads 1; load average", result.output, re.M)
+    machine = r"^machine: .*; flags .*; \d+ cores; torch threads 1; load average [\d.]+; NUMA nodes \S+; transparent"
+    assert re.search(machine, result.output, re.M)
     assert torch.get_num_threads() == threads, "--torch-threads holds for the run only"
     operations = ("DRAM put", "DRAM get", "disk put+flush", "disk get_many (warm)", "disk get_many (cold)")
     for operation in (*operations, "internal: tier write", "internal: tier read (warm)", "internal: tier read (cold)"):
