@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
@@ -231,7 +233,8 @@ async def test_a_get_received_in_place_reads_exactly_its_reply(
 ) -> None:
     """The GET the socket receives into the caller's memory (a single server) takes its reply and nothing more:
     on one pooled connection, a value longer than the buffers, an absent key and a wrong-type key each leave
-    the next call, by hand or through redis-py, a clean reply (RESP2 and RESP3 alike)."""
+    the next call, by hand or through redis-py, a clean reply; a pooled connection the server closed is
+    replaced at once (RESP2 and RESP3 alike: redis-py's pool does not check RESP3 connections for that)."""
     backend = make_backend(f"{server.url}?protocol={protocol}", max_connections=1)
     assert receives_in_place(backend._connect())
     key, other = chunk_key(50), chunk_key(51)
@@ -249,6 +252,35 @@ async def test_a_get_received_in_place_reads_exactly_its_reply(
     out[:] = bytes(len(out))
     assert await backend.get_into(key, [memoryview(out)[:7], memoryview(out)[7:]]) == len(value)
     assert bytes(out) == value
+
+    with raw_client(server.url, False) as raw:  # the server closes the idle pooled connection (as its timeout does)
+        assert raw.client_kill_filter(_type="normal", skipme=True) >= 1
+    (idle,) = backend._connect().connection_pool._available_connections
+    for _ in range(500):  # until the loop has taken the server's EOF on it (its transport then stops reading)
+        if idle._reader is None or idle._reader.at_eof():
+            break
+        await asyncio.sleep(0.01)
+    out[:] = bytes(len(out))  # a stale connection is retried on a fresh one, not waited on until the deadline
+    assert await backend.get_into(key, [memoryview(out)]) == len(value) and bytes(out) == value
+    assert int(backend.stats()["timeouts"]) == 0
+
+
+async def test_a_unix_socket_url_reads_and_writes(make_backend: Callable[..., RedisBackend]) -> None:
+    """``unix://`` URLs: the tier opens, writes and reads (the GET received in place too)."""
+    socket_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")  # a socket's path must stay short
+    path = f"{socket_dir}/redis.sock"
+    try:
+        with RedisServer("--unixsocket", path, "--unixsocketperm", "700"):
+            backend = make_backend(f"unix://{path}?db=0")
+            await backend.open()
+            assert receives_in_place(backend._connect())
+            await backend.set(chunk_key(60), [b"over ", b"a unix socket"])
+            into = memoryview(bytearray(32))
+            assert await backend.get_into(chunk_key(60), [into]) == 18 and bytes(into[:18]) == b"over a unix socket"
+            assert await backend.get(chunk_key(60)) == b"over a unix socket"
+            await backend.close()
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 async def test_multi_part_set_is_sent_without_gathering(

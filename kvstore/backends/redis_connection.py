@@ -163,10 +163,11 @@ class RedisConnection:
             options: dict[str, Any] = {
                 "socket_connect_timeout": self.connect_timeout,
                 "socket_timeout": self.socket_timeout,
-                "socket_keepalive": True,
                 "max_connections": self.max_connections,
                 "retry": Retry(backoff, RETRIES, supported_errors=(RedisConnectionError,)),
             }
+            if urlsplit(self._url).scheme != "unix":  # (redis-py's Unix socket connections take no keepalive)
+                options["socket_keepalive"] = True
             try:
                 kind = RedisCluster if self.cluster else Redis
                 self._client = kind.from_url(self._url, **options)

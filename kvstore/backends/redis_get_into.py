@@ -1,11 +1,12 @@
 """A Redis GET whose value the socket receives straight into the caller's memory, on a raw pooled connection.
 
 The Redis tier's data path (:mod:`kvstore.backends.redis`) reads a whole chunk this way from a single
-server over plain TCP or a Unix socket. Contract of :func:`get_into`: the same as one ``GET name`` (or
+server over plain TCP (or a Unix socket). Contract of :func:`get_into`: the same as one ``GET name`` (or
 ``GETEX name PX ttl``): atomic, the value's size or None if absent; its leading bytes land in the
 caller's buffers, the rest (if any) is read and dropped; the server's error is raised as redis-py
-raises it; a stale pooled connection is retried once on a fresh one; a request cancelled or failed
-midway never leaves a half-read reply on a pooled connection (the connection is dropped).
+raises it (and the connection dropped); a stale pooled connection (one the server closed, or the
+server restarted) is retried once on a fresh one; a request cancelled or failed midway never leaves
+a half-read reply on a pooled connection (the connection is dropped).
 
 Why by hand: redis-py hands the socket's bytes to its parser in 64 KiB reads, the parser builds one
 ``bytes`` of the whole value, and the caller copies that into place: three copies of every byte in
@@ -19,19 +20,17 @@ the tier's MULTI/EXEC of 2 MiB GETRANGEs ran at 0.50-0.59 and redis-py's GET at 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 
 from kvstore.backends.redis_connection import on_raw_connection
 from kvstore.util.buffers import as_bytes_view
 
-HEAD_BYTES = 64 << 10  # the first receive: the reply's "$<length>\r\n" and the start of the value
-DRAIN_BYTES = 1 << 20  # a value longer than the caller's buffers: the rest is received here and dropped
+HEAD_BYTES = 64 << 10  # scratch: the reply's first line and what follows it, a value's bytes past the buffers
 
 
 def receives_in_place(client: Redis) -> bool:
@@ -58,9 +57,12 @@ async def _exchange(connection: Any, request: bytes, buffers: Sequence[memoryvie
     original = transport.get_protocol()
     if transport.is_closing():
         raise RedisConnectionError("the connection was lost before the request")
-    if connection._reader is not None and len(connection._reader._buffer):  # (the pool checks it too)
-        raise RedisConnectionError("the pooled connection holds unread data")
-    reply = BulkReply(buffers, asyncio.get_running_loop())
+    # Unread bytes, or an EOF the server sent while it sat in the pool: not a connection to swap a protocol onto
+    # (the transport stopped reading at that EOF, so a reply would never come). The pool skips this check on
+    # RESP3 connections with maintenance notifications (redis-py 8's default there), so it is made here.
+    if await connection.can_read():
+        raise RedisConnectionError("the pooled connection holds unread data or was closed by the server")
+    reply = BulkReply(buffers, asyncio.get_running_loop(), connection._parser.parse_error)
     transport.set_protocol(reply)
     try:
         writer.write(request)
@@ -84,8 +86,12 @@ class BulkReply(asyncio.BufferedProtocol):
     request was the only one on the connection.
     """
 
-    def __init__(self, buffers: Sequence[memoryview], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, buffers: Sequence[memoryview], loop: asyncio.AbstractEventLoop, error_of: Callable[[str], Exception]
+    ) -> None:
+        """``error_of``: the exception redis-py raises for a server's error line (its parser's ``parse_error``)."""
         self.done: asyncio.Future[int | None] = loop.create_future()
+        self._error_of = error_of
         self._targets = [view for view in map(as_bytes_view, buffers) if len(view)]
         self._index = self._offset = 0  # where the value's next byte goes
         self._scratch = bytearray(HEAD_BYTES)
@@ -106,7 +112,7 @@ class BulkReply(asyncio.BufferedProtocol):
             return target[self._offset : self._offset + min(len(target) - self._offset, self._left - 2)]
         self._into_scratch = True
         limit = len(self._scratch) if self._size is None else min(len(self._scratch), self._left)
-        return memoryview(self._scratch)[: min(limit, DRAIN_BYTES)]
+        return memoryview(self._scratch)[:limit]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.done.done():  # nothing may follow the reply on this connection: it is not reused
@@ -120,7 +126,7 @@ class BulkReply(asyncio.BufferedProtocol):
             self._head += received
             end = self._head.find(b"\r\n")
             if end < 0:
-                if len(self._head) > 64:
+                if len(self._head) > HEAD_BYTES:
                     self._fail(RedisConnectionError("redis GET: the reply's first line is too long"))
                 return
             line, rest = bytes(self._head[:end]), memoryview(bytes(self._head[end + 2 :]))
@@ -131,8 +137,8 @@ class BulkReply(asyncio.BufferedProtocol):
 
     def _start(self, line: bytes) -> bool:
         """The reply's first line: False if the reply ends there (absent, or an error)."""
-        if line.startswith(b"-"):
-            self.done.set_exception(ResponseError(line[1:].decode(errors="replace")))
+        if line.startswith(b"-"):  # as redis-py raises it: WRONGTYPE a ResponseError, LOADING a BusyLoadingError...
+            self.done.set_exception(self._error_of(line[1:].decode(errors="replace")))
             return False
         if line == b"_":  # RESP3's null (a connection that said HELLO 3): absent
             self.done.set_result(None)

@@ -183,7 +183,9 @@ class S3Config(RemoteSection):
 class RedisConfig(RemoteSection):
     section: ClassVar[str] = "redis"
     url: str | None = Field(
-        None, repr=False, description="redis:// or rediss:// URL (else $REDIS_URL, else redis://127.0.0.1:6379/0)"
+        None,
+        repr=False,
+        description="redis://, rediss:// (TLS) or unix:// URL (else $REDIS_URL, else redis://127.0.0.1:6379/0)",
     )
     cluster: bool = Field(False, description="the URL names one node of a Redis Cluster")
     ttl: Duration | None = Field(
