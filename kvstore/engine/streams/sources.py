@@ -33,7 +33,7 @@ import functools
 import torch
 
 from kvstore.engine.streams.outputs import LayerRun, OutputKind
-from kvstore.engine.streams.reads import FileRead, RunReads
+from kvstore.engine.streams.reads import DramCopy, FileRead, RunReads
 from kvstore.engine.streams.resources import StreamResources
 from kvstore.engine.transfer import Completion
 from kvstore.errors import PrefetchError, TierSkipped, TierTimeout
@@ -56,7 +56,7 @@ class DramChunk:
         if run.kind is OutputKind.DEVICE:
             run.hosts[index] = layers
         else:
-            reads.copies.extend((run.share(index, j), layers[j]) for j in range(run.count))
+            reads.copies.append(DramCopy(run, index, layers))
 
 
 class TierChunk:
