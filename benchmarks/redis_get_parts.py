@@ -29,7 +29,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -37,7 +36,7 @@ import xxhash
 
 from kvstore import KVStore, chunk_keys
 from kvstore.backends.redis import READ_PIECE, RedisBackend
-from kvstore.bench.local import LAYOUTS, _sample_chunks
+from kvstore.bench.local import LAYOUTS, _sample_chunks, _timed
 from kvstore.bench.machine import describe_machine
 from kvstore.bench.remote import _bounded, store_config
 from kvstore.bench.remote_servers import Remote, serve
@@ -108,9 +107,9 @@ async def measure(remote: Remote, layout: KVLayout, chunks: int, rounds: int) ->
                 ("on a Cluster or TLS: a MULTI of 2 MiB GETRANGEs, replies not copied", "part",
                  lambda: _bounded(IN_FLIGHT, chunks, same_multi)),
                 ("checksums of every layer (xxh3), one thread", "part",
-                 lambda: _clocked_sync(_checksums, slots, layout)),
+                 lambda: _done(_timed(lambda: _checksums(slots, layout)))),
                 ("copy of every chunk into the caller's tensors, one thread", "part",
-                 lambda: _clocked_sync(_copies, outs, slots)),
+                 lambda: _done(_timed(lambda: _copies(outs, slots)))),
                 ("redis-py GET of each whole value (the peers table's raw row)", "baseline",
                  lambda: _bounded(IN_FLIGHT, chunks, redis_py_get)),
                 ("GET read off the socket straight into memory (sock_recv_into)", "baseline",
@@ -133,10 +132,9 @@ async def _clocked(work: Callable[[], Awaitable[None]]) -> float:
     return time.perf_counter() - start
 
 
-async def _clocked_sync(work: Callable[..., None], *args: Any) -> float:
-    start = time.perf_counter()
-    work(*args)
-    return time.perf_counter() - start
+async def _done(seconds: float) -> float:
+    """A stage timed in place (blocking, ``_timed``), in the shape of the awaited ones."""
+    return seconds
 
 
 def _checksums(slots: Sequence[torch.Tensor], layout: KVLayout) -> None:
