@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +43,7 @@ def test_bench_prints_ratios_against_baselines_measured_in_the_same_run(tmp_path
     result = runner.invoke(app, ["bench", *options])
     assert result.exit_code == 0, result.output
     machine = r"^machine: .*; flags .*; \d+ cores; torch threads 1; load average [\d.]+; NUMA nodes \S+; transparent"
+    machine += r" huge pages \S+; memcpy glibc [\d.]+: .*non-temporal stores from \d+ [KMG]iB$"  # sizes: per CPU
     assert re.search(machine, result.output, re.M)
     assert torch.get_num_threads() == threads, "--torch-threads holds for the run only"
     operations = ("DRAM put", "DRAM get", "disk put+flush", "disk get_many (warm)", "disk get_many (cold)")
@@ -52,6 +55,16 @@ def test_bench_prints_ratios_against_baselines_measured_in_the_same_run(tmp_path
     assert len(re.findall(r"put \+ flush at \d+\.\d\dx", result.output)) == 6
     assert "bytesplit" in result.output and "rms rel" in result.output
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
+
+
+def test_the_machine_line_names_how_glibc_copies_as_this_process_has_it_tuned() -> None:
+    """The sizes come from the dynamic loader, with this environment's GLIBC_TUNABLES (what moves DRAM copies)."""
+    code = "from kvstore.bench.machine import describe_memcpy; print(describe_memcpy())"
+    environment = {**os.environ, "GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x300000"}
+    described = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True
+    )
+    assert described.stdout.endswith("non-temporal stores from 3 MiB (GLIBC_TUNABLES set)\n"), described.stdout
 
 
 def test_version() -> None:

@@ -9,7 +9,11 @@ same run, best of ``repeats``, alternating:
 - on ``cpu``: ``Tensor.copy_`` of the same bytes into pre-allocated, pre-touched memory (a memcpy, and for
   streams a gather of each chunk's layer into place), with torch's intra-op threads;
 - a layer stream from disk is also compared with ``get_many`` from disk into the same memory (page
-  cache warm): both read the same files, so the ratio is the stream's own overhead.
+  cache warm): both read the same files, so the ratio is the stream's own overhead;
+- on ``cpu``, the two copy kernels themselves, one thread each: ``numpy.copyto`` (glibc's memmove, which
+  moves the bytes of every kvstore copy between CPU tensors) against ``Tensor.copy_`` (torch's own vector
+  loop, the baselines'), for whole chunks and for a chunk's layer: where glibc's way of copying is the
+  slower on a CPU, every kvstore row against ``Tensor.copy_`` carries that ratio.
 
 The layer stream's outputs are what an engine hands it: one tensor per layer,
 ``[planes, n * chunk_tokens, heads, head_dim]``, pre-allocated on the device; it runs
@@ -25,9 +29,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvstore.bench.local import LAYOUTS, Row, _best_pair, _sample_chunks
+from kvstore.bench.machine import torch_threads_set
 from kvstore.config import StoreConfig
 from kvstore.engine.store import KVStore
 from kvstore.keys import chunk_keys
@@ -154,7 +160,65 @@ async def bench_paths(
                 label = "get_many -> outs, disk (warm)"
                 rows.append(Row(layout_name, "stream disk -> outs (warm)", total, mine, base, label))
                 _check_layers(layer_outs, hosts)
+    if not pinned:
+        rows += await _copy_kernel_rows(layout_name, outs, hosts, layer_outs, repeats)
     return rows
+
+
+async def _copy_kernel_rows(
+    layout_name: str,
+    outs: Sequence[torch.Tensor],
+    hosts: Sequence[torch.Tensor],
+    layer_outs: Sequence[torch.Tensor],
+    repeats: int,
+) -> list[Row]:
+    """``numpy.copyto`` (glibc's memmove) against ``Tensor.copy_``, one thread each, whole chunks and a chunk's
+    layer (a stream's piece): the copy kernels under every kvstore row and under the baselines."""
+    total = sum(host.numel() * host.element_size() for host in hosts)
+    as_arrays = [(_array(out), _array(host)) for out, host in zip(outs, hosts, strict=True)]
+    tokens = hosts[0].shape[2]
+    places = [  # (a chunk's layer in its layer output, that layer of the chunk)
+        (out[:, index * tokens : (index + 1) * tokens], host[layer])
+        for layer, out in enumerate(layer_outs)
+        for index, host in enumerate(hosts)
+    ]
+    pieces = [(_array(place), _array(piece)) for place, piece in places]
+
+    def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], Awaitable[float]]:
+        async def run() -> float:
+            start = time.perf_counter()
+            for target, source in pairs:
+                np.copyto(target, source)
+            return time.perf_counter() - start
+
+        return run
+
+    def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], Awaitable[float]]:
+        async def run() -> float:
+            start = time.perf_counter()
+            for target, source in pairs:
+                target.copy_(source)
+            return time.perf_counter() - start
+
+        return run
+
+    with torch_threads_set(1):
+        chunk_base, chunk_numpy = await _best_pair(
+            copy_tensors(list(zip(outs, hosts, strict=True))), copy_arrays(as_arrays), repeats
+        )
+        piece_base, piece_numpy = await _best_pair(copy_tensors(places), copy_arrays(pieces), repeats)
+    _check_chunks(outs, hosts)
+    _check_layers(layer_outs, hosts)
+    baseline = "Tensor.copy_, 1 thread"
+    return [
+        Row(layout_name, "numpy.copyto, whole chunks", total, chunk_numpy, chunk_base, baseline),
+        Row(layout_name, "numpy.copyto, chunk layers", total, piece_numpy, piece_base, baseline),
+    ]
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy array (its last dimension in bytes): numpy has no bfloat16."""
+    return tensor.view(torch.uint8).numpy()
 
 
 def _d2h_label(pinned: bool) -> str:

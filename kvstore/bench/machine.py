@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +14,9 @@ KERNEL_FLAGS = ("avx2", "avx512f", "amx_tile")  # the instruction sets that choo
 
 
 def describe_machine() -> str:
-    """CPU model, which of :data:`KERNEL_FLAGS` it has, cores, torch's intra-op threads, load average, NUMA nodes
-    and the transparent huge pages mode (memory copies depend on the last two as much as on the CPU)."""
+    """CPU model, which of :data:`KERNEL_FLAGS` it has, cores, torch's intra-op threads, load average, NUMA nodes,
+    the transparent huge pages mode and how glibc's memcpy copies large blocks (memory copies depend on the
+    last three as much as on the CPU)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.partition(":")[2].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     flags = " ".join(flag for flag in KERNEL_FLAGS if flag in set(info.split())) or "-"
@@ -23,8 +25,70 @@ def describe_machine() -> str:
     numa = len(list(nodes.glob("node[0-9]*"))) if nodes.is_dir() else "?"
     return (
         f"{model}; flags {flags}; {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; "
-        f"load average {load:.2f}; NUMA nodes {numa}; transparent huge pages {_huge_pages()}"
+        f"load average {load:.2f}; NUMA nodes {numa}; transparent huge pages {_huge_pages()}; "
+        f"memcpy {describe_memcpy()}"
     )
+
+
+def describe_memcpy() -> str:
+    """How this process's glibc copies large blocks, by size: the copies kvstore makes with numpy (and Python's
+    own) go through it, while ``Tensor.copy_`` runs torch's own vector loop.
+
+    glibc picks, once per process and per CPU vendor, ``rep movsb`` up to one size and non-temporal stores
+    (which bypass the caches) from another, with an ordinary vector loop between on AMD; ``GLIBC_TUNABLES``
+    moves the sizes. On this project's Xeon, non-temporal stores from 1 MiB made one thread's whole-chunk
+    copies 1.8x faster (docs/benchmarks.md, "How glibc copies"). Read from the dynamic loader's
+    ``--list-diagnostics`` (glibc 2.33 and later); "thresholds ?" where that is not available.
+    """
+    version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
+    if not version:
+        return "not glibc"
+    values = _loader_diagnostics()
+    movsb, stop, temporal = (values.get(f"x86.cpu_features.{name}") for name in _THRESHOLDS)
+    if movsb is None or stop is None or temporal is None:
+        return f"{version}, thresholds ?"
+    tuned = " (GLIBC_TUNABLES set)" if os.environ.get("GLIBC_TUNABLES") else ""
+    if not values.get(_LEAF_7_EBX, 0) & _ERMS or movsb >= stop:
+        return f"{version}: vector loop, non-temporal stores from {_size(temporal)}{tuned}"
+    between = f", vector loop from {_size(stop)}" if stop < temporal else ""
+    return f"{version}: rep movsb from {_size(movsb)}{between}, non-temporal stores from {_size(temporal)}{tuned}"
+
+
+_THRESHOLDS = ("rep_movsb_threshold", "rep_movsb_stop_threshold", "non_temporal_threshold")
+_LEAF_7_EBX = "x86.cpu_features.features[0x1].active[0x1]"  # glibc's usable CPUID leaf 7 EBX bits
+_ERMS = 1 << 9  # enhanced rep movsb: without it glibc never copies with rep movsb
+
+
+def _loader_diagnostics() -> dict[str, int]:
+    """The integer values ``ld.so --list-diagnostics`` prints (its own tunables from this environment), or {}."""
+    loader = next((line.split()[-1] for line in _maps() if "/ld-linux" in line or "/ld64" in line), None)
+    if loader is None:
+        return {}
+    try:
+        listing = subprocess.run(
+            [loader, "--list-diagnostics"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values: dict[str, int] = {}
+    for line in listing.splitlines():
+        name, _, value = line.partition("=")
+        with contextlib.suppress(ValueError):
+            values[name] = int(value, 0)
+    return values
+
+
+def _maps() -> list[str]:
+    maps = Path("/proc/self/maps")
+    return maps.read_text().splitlines() if maps.exists() else []
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it whole-ish: 2112 -> "2 KiB", 0x7200000 -> "114 MiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.0f} {unit}"
+    return f"{nbytes} B"
 
 
 def _huge_pages() -> str:
