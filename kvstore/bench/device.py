@@ -10,10 +10,10 @@ same run, best of ``repeats``, alternating:
   streams a gather of each chunk's layer into place), with torch's intra-op threads;
 - a layer stream from disk is also compared with ``get_many`` from disk into the same memory (page
   cache warm): both read the same files, so the ratio is the stream's own overhead;
-- on ``cpu``, the two copy kernels themselves, one thread each: ``numpy.copyto`` (glibc's memmove, which
-  moves the bytes of every kvstore copy between CPU tensors) against ``Tensor.copy_`` (torch's own vector
-  loop, the baselines'), for whole chunks and for a chunk's layer: where glibc's way of copying is the
-  slower on a CPU, every kvstore row against ``Tensor.copy_`` carries that ratio.
+- on ``cpu``, kvstore's two copy kernels themselves, one thread each (glibc's ``memmove`` through
+  ``numpy.copyto``, and numpy's own vector loop: :mod:`kvstore.util.copy_kernels`, which picks one per
+  block size) against ``Tensor.copy_`` (torch's vector loop, the baselines'), for whole chunks and for a
+  chunk's layer: where glibc's way of copying is the slower on a CPU, these rows show it.
 
 The layer stream's outputs are what an engine hands it: one tensor per layer,
 ``[planes, n * chunk_tokens, heads, head_dim]``, pre-allocated on the device; it runs
@@ -37,6 +37,7 @@ from kvstore.bench.machine import torch_threads_set
 from kvstore.config import StoreConfig
 from kvstore.engine.store import KVStore
 from kvstore.keys import chunk_keys
+from kvstore.util.copy_kernels import copy_memmove, copy_vector_loop
 
 ENGINE_DEPTH = 4  # layers a stream runs ahead: the vLLM connector's default (kvstore_prefetch_depth)
 
@@ -172,28 +173,31 @@ async def _copy_kernel_rows(
     layer_outs: Sequence[torch.Tensor],
     repeats: int,
 ) -> list[Row]:
-    """``numpy.copyto`` (glibc's memmove) against ``Tensor.copy_``, one thread each, whole chunks and a chunk's
-    layer (a stream's piece): the copy kernels under every kvstore row and under the baselines."""
+    """Each of kvstore's copy kernels (:mod:`kvstore.util.copy_kernels`: glibc's memmove, numpy's vector loop)
+    against ``Tensor.copy_``, one thread each, on whole chunks and on a chunk's layer (a stream's piece)."""
     total = sum(host.numel() * host.element_size() for host in hosts)
-    as_arrays = [(_array(out), _array(host)) for out, host in zip(outs, hosts, strict=True)]
+    chunks = list(zip(outs, hosts, strict=True))
     tokens = hosts[0].shape[2]
-    places = [  # (a chunk's layer in its layer output, that layer of the chunk)
+    pieces = [  # (a chunk's layer in its layer output, that layer of the chunk)
         (out[:, index * tokens : (index + 1) * tokens], host[layer])
         for layer, out in enumerate(layer_outs)
         for index, host in enumerate(hosts)
     ]
-    pieces = [(_array(place), _array(piece)) for place, piece in places]
 
-    def copy_arrays(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], Awaitable[float]]:
+    def copy_with(
+        kernel: Callable[[np.ndarray, np.ndarray], None], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[], Awaitable[float]]:
+        arrays = [(_array(target), _array(source)) for target, source in pairs]
+
         async def run() -> float:
             start = time.perf_counter()
-            for target, source in pairs:
-                np.copyto(target, source)
+            for target, source in arrays:
+                kernel(target, source)
             return time.perf_counter() - start
 
         return run
 
-    def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], Awaitable[float]]:
+    def torch_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], Awaitable[float]]:
         async def run() -> float:
             start = time.perf_counter()
             for target, source in pairs:
@@ -202,18 +206,15 @@ async def _copy_kernel_rows(
 
         return run
 
+    rows: list[Row] = []
     with torch_threads_set(1):
-        chunk_base, chunk_numpy = await _best_pair(
-            copy_tensors(list(zip(outs, hosts, strict=True))), copy_arrays(as_arrays), repeats
-        )
-        piece_base, piece_numpy = await _best_pair(copy_tensors(places), copy_arrays(pieces), repeats)
+        for name, kernel in (("memmove", copy_memmove), ("vector loop", copy_vector_loop)):
+            for what, pairs in (("whole chunks", chunks), ("chunk layers", pieces)):
+                base, mine = await _best_pair(torch_copy(pairs), copy_with(kernel, pairs), repeats)
+                rows.append(Row(layout_name, f"{name}, {what}", total, mine, base, "Tensor.copy_, 1 thread"))
     _check_chunks(outs, hosts)
     _check_layers(layer_outs, hosts)
-    baseline = "Tensor.copy_, 1 thread"
-    return [
-        Row(layout_name, "numpy.copyto, whole chunks", total, chunk_numpy, chunk_base, baseline),
-        Row(layout_name, "numpy.copyto, chunk layers", total, piece_numpy, piece_base, baseline),
-    ]
+    return rows
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:

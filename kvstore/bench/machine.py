@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kvstore.util.units import human_bytes
+
 KERNEL_FLAGS = ("avx2", "avx512f", "amx_tile")  # the instruction sets that choose copy and vLLM CPU kernels
 
 
@@ -49,9 +51,12 @@ def describe_memcpy() -> str:
         return f"{version}, thresholds ?"
     tuned = " (GLIBC_TUNABLES set)" if os.environ.get("GLIBC_TUNABLES") else ""
     if not values.get(_LEAF_7_EBX, 0) & _ERMS or movsb >= stop:
-        return f"{version}: vector loop, non-temporal stores from {_size(temporal)}{tuned}"
-    between = f", vector loop from {_size(stop)}" if stop < temporal else ""
-    return f"{version}: rep movsb from {_size(movsb)}{between}, non-temporal stores from {_size(temporal)}{tuned}"
+        return f"{version}: vector loop, non-temporal stores from {human_bytes(temporal)}{tuned}"
+    between = f", vector loop from {human_bytes(stop)}" if stop < temporal else ""
+    return (
+        f"{version}: rep movsb from {human_bytes(movsb)}{between}, non-temporal stores from {human_bytes(temporal)}"
+        + tuned
+    )
 
 
 _THRESHOLDS = ("rep_movsb_threshold", "rep_movsb_stop_threshold", "non_temporal_threshold")
@@ -81,14 +86,6 @@ def _loader_diagnostics() -> dict[str, int]:
 def _maps() -> list[str]:
     maps = Path("/proc/self/maps")
     return maps.read_text().splitlines() if maps.exists() else []
-
-
-def _size(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it whole-ish: 2112 -> "2 KiB", 0x7200000 -> "114 MiB"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.0f} {unit}"
-    return f"{nbytes} B"
 
 
 def _huge_pages() -> str:

@@ -313,6 +313,10 @@ def _bench_device(device: str, repeats: int, directory: Path | None, cases: str)
         f"streams {d.ENGINE_DEPTH} layers ahead"
     )
     console.print(ratio_table(title, rows, "GB/s"))
+    if device == "cpu":
+        from kvstore.util.copy_kernels import CHOICE
+
+        console.print(f"copy kernels this process chose: {CHOICE.describe()}", markup=False, highlight=False)
     if chosen:
         console.print(ttft_table(t.bench_ttft(chosen, device, repeats, directory), card))
 
