@@ -38,7 +38,7 @@ def copy_array(into: np.ndarray, out_of: np.ndarray) -> None:
     Blocking; numpy releases the GIL for the copy, so other threads run meanwhile.
     """
     block = contiguous_block(into, out_of)
-    if block < SMALLEST_MEASURED:
+    if block < SMALLEST_MEASURED or into.dtype.kind not in "iu":
         np.copyto(into, out_of)
         return
     size_class = (block.bit_length() - SMALLEST_MEASURED.bit_length()) // 2
