@@ -37,8 +37,12 @@ def copy_array(into: np.ndarray, out_of: np.ndarray) -> None:
 
     Blocking; numpy releases the GIL for the copy, so other threads run meanwhile.
     """
-    block = contiguous_block(into, out_of)
-    if block < SMALLEST_MEASURED or into.dtype.kind not in "iu":
+    if into.nbytes < SMALLEST_MEASURED or into.dtype.kind not in "iu":  # no block of it can be measured
+        np.copyto(into, out_of)
+        return
+    both = into.flags.c_contiguous and out_of.flags.c_contiguous
+    block = into.nbytes if both else contiguous_block(into, out_of)
+    if block < SMALLEST_MEASURED:
         np.copyto(into, out_of)
         return
     size_class = (block.bit_length() - SMALLEST_MEASURED.bit_length()) // 2
@@ -68,15 +72,13 @@ KERNELS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {MEMMOVE: copy_me
 
 def contiguous_block(into: np.ndarray, out_of: np.ndarray) -> int:
     """Bytes of the longest run that is contiguous in both arrays: what numpy copies per inner call."""
-    block = into.itemsize
-    for size, into_stride, out_of_stride in zip(
-        reversed(into.shape), reversed(into.strides), reversed(out_of.strides), strict=True
-    ):
-        if size == 1:
+    block, shape, into_strides, out_of_strides = into.itemsize, into.shape, into.strides, out_of.strides
+    for dimension in range(len(shape) - 1, -1, -1):  # innermost first; an index loop: this runs on every copy
+        if shape[dimension] == 1:
             continue
-        if into_stride != block or out_of_stride != block:
+        if into_strides[dimension] != block or out_of_strides[dimension] != block:
             break
-        block *= size
+        block *= shape[dimension]
     return block
 
 
