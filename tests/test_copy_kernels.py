@@ -51,19 +51,43 @@ def test_a_block_is_the_run_contiguous_in_both_arrays() -> None:
     assert contiguous_block(chunk[:1], chunk[:1]) == chunk.nbytes // 32  # a dimension of 1 breaks nothing
 
 
-def test_the_vector_loop_is_kept_only_where_its_trials_were_clearly_faster() -> None:
+def test_the_vector_loop_is_kept_only_where_its_best_and_median_times_were_clearly_faster() -> None:
     choice = KernelChoice()
-    tried: dict[int, list[str]] = {0: [], 1: []}
-    for _ in range(2 * TRIAL_COPIES):
-        for size_class, vector_time in ((0, 0.85), (1, 0.95)):  # seconds per byte, memmove's being 1.0
+    lucky = [0.5] + [1.0] * (TRIAL_COPIES - 1)  # one copy that ran unusually fast
+
+    def slowed(seconds: float) -> list[float]:  # a third of the copies slowed by other work at the time
+        return [seconds if trial % 3 else 3.0 for trial in range(TRIAL_COPIES)]
+
+    vector_times = {0: [0.7] * TRIAL_COPIES, 1: [0.85] * TRIAL_COPIES, 2: lucky, 3: slowed(0.7), 4: slowed(0.95)}
+    memmove_times = {0: [1.0] * TRIAL_COPIES, 1: [1.0] * TRIAL_COPIES, 2: [1.0] * TRIAL_COPIES, 3: slowed(1.0)}
+    memmove_times[4] = slowed(1.0)
+    tried: dict[int, list[str]] = {size_class: [] for size_class in vector_times}
+    for trial in range(2 * TRIAL_COPIES):
+        for size_class in vector_times:  # seconds per byte
             kernel = choice.next_trial(size_class)
             tried[size_class].append(kernel)
-            choice.record(size_class, kernel, 1.0 if kernel == MEMMOVE else vector_time)
-    assert tried[0] == tried[1] == [MEMMOVE, VECTOR] * TRIAL_COPIES  # in turn, memmove first
-    assert choice.chosen == {0: VECTOR, 1: MEMMOVE}  # 15% faster is kept; 5% is within the margin
+            times = vector_times if kernel == VECTOR else memmove_times
+            choice.record(size_class, kernel, times[size_class][trial // 2])
+    assert all(kernels == [MEMMOVE, VECTOR] * TRIAL_COPIES for kernels in tried.values())  # in turn, memmove first
+    # 30% faster is kept, through other work's noise too; 15% or 5% is within the margin; one lucky copy does not decide
+    assert choice.chosen == {0: VECTOR, 1: MEMMOVE, 2: MEMMOVE, 3: VECTOR, 4: MEMMOVE}
     choice.record(1, VECTOR, 0.01)
     assert choice.chosen[1] == MEMMOVE  # a choice, once made, stays
-    assert choice.describe() == "vector for blocks of 64.0 KiB to 256.0 KiB; memmove for blocks of 256.0 KiB to 1.0 MiB"
+    assert choice.describe().startswith("vector for blocks of 64.0 KiB to 256.0 KiB; memmove for blocks of 256.0 KiB")
+
+
+def test_only_two_native_integer_arrays_of_one_type_and_shape_are_measured(monkeypatch) -> None:
+    choice = KernelChoice()
+    monkeypatch.setattr(copy_kernels, "CHOICE", choice)
+    source = random_bits((SMALLEST_MEASURED,), "i2")
+    swapped = source.astype(">i2")  # the same values, bytes swapped in memory
+    target = np.zeros_like(swapped)
+    copy_array(target, swapped)
+    assert np.array_equal(target, swapped)  # a cast into native order would have swapped the bytes
+    halves = np.zeros(SMALLEST_MEASURED, dtype="f4")
+    copy_array(halves, source)  # different types: numpy's own conversion, as np.copyto does
+    assert np.array_equal(halves, source.astype("f4"))
+    assert choice.next_trial(0) == MEMMOVE and choice.chosen == {}  # none of them was a trial
 
 
 def test_copies_stay_exact_while_a_size_class_is_tried_and_after_it_is_chosen(monkeypatch) -> None:

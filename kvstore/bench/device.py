@@ -206,6 +206,8 @@ async def _copy_kernel_rows(
 
         return run
 
+    for target in (*outs, *layer_outs):  # the checks below then see what the kernels copied, not earlier rows'
+        target.zero_()
     rows: list[Row] = []
     with torch_threads_set(1):
         for name, kernel in (("memmove", copy_memmove), ("vector loop", copy_vector_loop)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,34 +40,38 @@ def describe_memcpy() -> str:
     glibc picks, once per process and per CPU vendor, ``rep movsb`` up to one size and non-temporal stores
     (which bypass the caches) from another, with an ordinary vector loop between on AMD; ``GLIBC_TUNABLES``
     moves the sizes. On this project's Xeon, non-temporal stores from 1 MiB made one thread's whole-chunk
-    copies 1.8x faster (docs/benchmarks.md, "How glibc copies"). Read from the dynamic loader's
+    copies about 1.6x faster (docs/benchmarks.md, "How glibc copies"). Read from the dynamic loader's
     ``--list-diagnostics`` (glibc 2.33 and later); "thresholds ?" where that is not available.
     """
-    version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
+    names = getattr(os, "confstr_names", {})
+    version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in names else None
     if not version:
         return "not glibc"
     values = _loader_diagnostics()
-    movsb, stop, temporal = (values.get(f"x86.cpu_features.{name}") for name in _THRESHOLDS)
-    if movsb is None or stop is None or temporal is None:
+    movsb, stop, temporal, leaf_7_ebx = (values.get(name) for name in (*_THRESHOLDS, _LEAF_7_EBX))
+    if movsb is None or stop is None or temporal is None or leaf_7_ebx is None:
         return f"{version}, thresholds ?"
     tuned = " (GLIBC_TUNABLES set)" if os.environ.get("GLIBC_TUNABLES") else ""
-    if not values.get(_LEAF_7_EBX, 0) & _ERMS or movsb >= stop:
+    if not leaf_7_ebx & _ERMS or movsb >= stop:
         return f"{version}: vector loop, non-temporal stores from {human_bytes(temporal)}{tuned}"
     between = f", vector loop from {human_bytes(stop)}" if stop < temporal else ""
+    # rep movsb runs up to its stop size even past the non-temporal threshold (AMD with that threshold under L2)
     return (
-        f"{version}: rep movsb from {human_bytes(movsb)}{between}, non-temporal stores from {human_bytes(temporal)}"
-        + tuned
+        f"{version}: rep movsb from {human_bytes(movsb)}{between}, "
+        f"non-temporal stores from {human_bytes(max(stop, temporal))}{tuned}"
     )
 
 
-_THRESHOLDS = ("rep_movsb_threshold", "rep_movsb_stop_threshold", "non_temporal_threshold")
+_THRESHOLDS = tuple(
+    f"x86.cpu_features.{name}" for name in ("rep_movsb_threshold", "rep_movsb_stop_threshold", "non_temporal_threshold")
+)
 _LEAF_7_EBX = "x86.cpu_features.features[0x1].active[0x1]"  # glibc's usable CPUID leaf 7 EBX bits
 _ERMS = 1 << 9  # enhanced rep movsb: without it glibc never copies with rep movsb
 
 
 def _loader_diagnostics() -> dict[str, int]:
     """The integer values ``ld.so --list-diagnostics`` prints (its own tunables from this environment), or {}."""
-    loader = next((line.split()[-1] for line in _maps() if "/ld-linux" in line or "/ld64" in line), None)
+    loader = next((path for path in _mapped_files() if _LOADER.fullmatch(Path(path).name)), None)
     if loader is None:
         return {}
     try:
@@ -83,9 +88,17 @@ def _loader_diagnostics() -> dict[str, int]:
     return values
 
 
-def _maps() -> list[str]:
+_LOADER = re.compile(r"ld-linux[\w.-]*\.so(\.\d+)*")  # the dynamic loader's file name, e.g. ld-linux-x86-64.so.2
+
+
+def _mapped_files() -> list[str]:
+    """The paths of the files this process has mapped (a file deleted since is left out)."""
     maps = Path("/proc/self/maps")
-    return maps.read_text().splitlines() if maps.exists() else []
+    lines = maps.read_text().splitlines() if maps.exists() else []
+    fields = (line.split(maxsplit=5) for line in lines)
+    return [
+        field[5] for field in fields if len(field) == 6 and field[5].startswith("/") and "(deleted)" not in field[5]
+    ]
 
 
 def _huge_pages() -> str:

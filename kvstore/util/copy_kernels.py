@@ -7,12 +7,14 @@ own loop of plain vector loads and stores instead, as ``Tensor.copy_`` copies. W
 on the CPU. On this project's Xeon, ``memmove`` by 1.10-1.18x (one thread, whole chunks and a chunk's
 layer); on an AVX2 EPYC, kvstore's ``memmove`` copies measured 0.60-0.65x of ``Tensor.copy_``'s loop.
 
-So each block size class (powers of 4 from :data:`SMALLEST_MEASURED`; a block is the contiguous run
-numpy hands ``memmove`` at a time) times its first :data:`TRIAL_COPIES` copies with each kernel, in
-turn, and from then on uses the vector loop only if it was clearly faster (:data:`MARGIN`); otherwise,
-and for smaller blocks, ``memmove``. The choice is the process's, like glibc's own. Both kernels copy
-the same bits, so the choice only ever changes speed; a trial costs nothing beyond timing the copy it
-makes anyway.
+So each block size class (powers of 4 from :data:`SMALLEST_MEASURED`; a block is the run contiguous in
+both C-ordered arrays, what numpy hands ``memmove`` at a time) times its first :data:`TRIAL_COPIES`
+copies with each kernel, in turn, and from then on uses the vector loop only if it was clearly faster
+(:data:`MARGIN`) by both its best and its median time: other work running at the same moment only ever
+slows a copy, so the best times compare the kernels themselves, and the medians keep one lucky copy
+from deciding. Otherwise, and for smaller blocks or anything but two native integer arrays of one
+type and shape, ``memmove``. The choice is the process's, like glibc's own. Both kernels copy the same
+bits, so the choice only ever changes speed; a trial costs nothing beyond timing the copy it makes anyway.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from kvstore.util.units import human_bytes
 
 MEMMOVE, VECTOR = "memmove", "vector"
 SMALLEST_MEASURED = 64 << 10  # smaller blocks always go through memmove: there the call costs more than the bytes
-TRIAL_COPIES = 4  # timed copies per kernel and size class before the choice
-MARGIN = 0.9  # the vector loop is kept where its median time per byte is under this fraction of memmove's
+TRIAL_COPIES = 6  # timed copies per kernel and size class before the choice
+MARGIN = 0.8  # the vector loop is kept where its best and median times per byte are under this fraction of memmove's
 
 
 def copy_array(into: np.ndarray, out_of: np.ndarray) -> None:
@@ -37,7 +39,13 @@ def copy_array(into: np.ndarray, out_of: np.ndarray) -> None:
 
     Blocking; numpy releases the GIL for the copy, so other threads run meanwhile.
     """
-    if into.nbytes < SMALLEST_MEASURED or into.dtype.kind not in "iu":  # no block of it can be measured
+    if (
+        into.nbytes < SMALLEST_MEASURED  # no block of it can be measured
+        or into.dtype != out_of.dtype
+        or into.dtype.kind not in "iu"
+        or not into.dtype.isnative  # the cast would swap the bytes
+        or into.shape != out_of.shape
+    ):
         np.copyto(into, out_of)
         return
     both = into.flags.c_contiguous and out_of.flags.c_contiguous
@@ -105,7 +113,10 @@ class KernelChoice:
             trials[kernel].append(seconds_per_byte)
             if min(len(times) for times in trials.values()) < TRIAL_COPIES:
                 return
-            faster = statistics.median(trials[VECTOR]) < MARGIN * statistics.median(trials[MEMMOVE])
+            vector, memmove = trials[VECTOR], trials[MEMMOVE]
+            faster = min(vector) < MARGIN * min(memmove) and statistics.median(vector) < MARGIN * statistics.median(
+                memmove
+            )
             self.chosen[size_class] = VECTOR if faster else MEMMOVE
 
     def describe(self) -> str:
